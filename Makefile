@@ -1,0 +1,27 @@
+# The two commands a newcomer needs: `make run` and `make test`.
+# Each creates .venv on first use. torch is pinned first so pip takes the local
+# CPU wheel instead of pulling a multi-GB CUDA build.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: run test bench venv clean
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+venv: $(BIN)/.installed
+
+run: venv
+	$(BIN)/raylm generate "北京故宫是" --max-tokens 128
+
+test: venv
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,266 @@
+"""All that crosses the driver <-> worker boundary: StepPlan and StepResult.
+
+Encoded with msgpack as positional arrays; nothing is pickled, and decoding never runs
+code. Pure Python (no torch, no ray, no numpy): token arrays travel as packed int32
+bytes built with the standard `array` module.
+
+Requests are named on the wire by their *slot*: a small integer in [0, max_num_seqs)
+that the scheduler assigns when it sends a request to the worker and frees when the
+request finishes or is preempted. Slots keep messages small (one msgpack byte each for
+slots < 128) and index the worker's device-resident buffer of last sampled tokens.
+
+A plan carries diffs, not state:
+- a request new to the worker (first admission, or re-admission after preemption) is
+  sent whole once as a NewRequest: every known token, how many of them are already in
+  the KV cache (prefix-cache hits), its block table and its sampling parameters;
+- every scheduled row then carries only slot, number of tokens scheduled, newly
+  appended block ids and, for decode rows, the input token: an id, or USE_RESIDENT
+  when the driver does not know it yet (pipelining) and the worker takes the token it
+  sampled last for that slot from its device buffer;
+- finished and preempted slots, so the worker drops their state (applied before the
+  plan's new requests, so a freed slot may be reused in the same plan).
+
+A row samples exactly when, after it, the worker has computed every known token of its
+request (a final prefill chunk, or a decode row). The sampled token's position in the
+sequence is the request's computed-token count after the row; seeded sampling depends
+on (seed, position) only.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from dataclasses import dataclass, field
+
+import msgpack
+
+USE_RESIDENT = -1
+PROTOCOL_VERSION = 1
+
+if array("i").itemsize != 4 or sys.byteorder != "little":  # pragma: no cover
+    raise ImportError("raylm's protocol assumes a little-endian platform with 32-bit C ints")
+
+
+class ProtocolError(ValueError):
+    """A message that does not decode into a well-formed StepPlan or StepResult."""
+
+
+def pack_int32(values) -> bytes:
+    return array("i", values).tobytes()
+
+
+def unpack_int32(data: bytes) -> list[int]:
+    if len(data) % 4:
+        raise ProtocolError(f"packed int32 array has {len(data)} bytes, not a multiple of 4")
+    a = array("i")
+    a.frombytes(data)
+    return a.tolist()
+
+
+@dataclass
+class WorkerSampling:
+    """The part of SamplingParams the worker needs to sample one request's rows.
+
+    min_tokens is expressed by position: while the sampled token's position is below
+    `ban_until`, the ids in `banned_ids` (EOS and stop ids) cannot be sampled.
+    """
+
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    logprobs: int | None = None
+    ban_until: int = 0
+    banned_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_params(cls, params, num_prompt_tokens: int, eos_token_ids=()) -> "WorkerSampling":
+        banned: tuple[int, ...] = ()
+        ban_until = 0
+        if params.min_tokens > 0:
+            ids = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                ids |= set(eos_token_ids)
+            banned = tuple(sorted(ids))
+            ban_until = num_prompt_tokens + params.min_tokens if banned else 0
+        return cls(
+            temperature=float(params.temperature),
+            top_k=params.top_k,
+            top_p=float(params.top_p),
+            min_p=float(params.min_p),
+            seed=params.seed,
+            logprobs=params.logprobs,
+            ban_until=ban_until,
+            banned_ids=banned,
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def _encode(self) -> list:
+        return [self.temperature, self.top_k, self.top_p, self.min_p, self.seed,
+                self.logprobs, self.ban_until, list(self.banned_ids)]
+
+    @classmethod
+    def _decode(cls, a) -> "WorkerSampling":
+        t, k, p, m, seed, lp, until, banned = a
+        return cls(t, k, p, m, seed, lp, until, tuple(banned))
+
+
+@dataclass
+class NewRequest:
+    slot: int
+    token_ids: list[int]  # every known token: prompt, plus outputs when recomputing
+    num_computed: int  # tokens already in the KV cache (prefix-cache hit), a block multiple
+    block_table: list[int]  # blocks allocated up to and including this plan's rows
+    sampling: WorkerSampling
+
+
+@dataclass
+class ScheduledRow:
+    slot: int
+    num_tokens: int
+    new_blocks: list[int] = field(default_factory=list)  # appended to the block table first
+    # None: a prefill chunk (tokens come from the request's known tokens);
+    # an id >= 0: a decode row's input token; USE_RESIDENT: the worker's last sampled id.
+    token: int | None = None
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    new_requests: list[NewRequest] = field(default_factory=list)
+    rows: list[ScheduledRow] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)  # slots to drop: finished or aborted
+    preempted: list[int] = field(default_factory=list)  # slots to drop: recomputed later
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.rows or self.finished or self.preempted)
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb(
+            [
+                PROTOCOL_VERSION,
+                self.step_id,
+                [[n.slot, pack_int32(n.token_ids), n.num_computed, n.block_table, n.sampling._encode()]
+                 for n in self.new_requests],
+                [[r.slot, r.num_tokens, r.new_blocks, r.token] for r in self.rows],
+                self.finished,
+                self.preempted,
+            ],
+            use_bin_type=True,
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "StepPlan":
+        try:
+            version, step_id, new, rows, finished, preempted = msgpack.unpackb(data, raw=False)
+            _check_version(version)
+            return cls(
+                step_id=step_id,
+                new_requests=[
+                    NewRequest(slot, unpack_int32(toks), nc, list(bt), WorkerSampling._decode(s))
+                    for slot, toks, nc, bt, s in new
+                ],
+                rows=[ScheduledRow(slot, n, list(nb), tok) for slot, n, nb, tok in rows],
+                finished=list(finished),
+                preempted=list(preempted),
+            )
+        except ProtocolError:
+            raise
+        except Exception as e:  # msgpack errors, wrong arity, wrong types
+            raise ProtocolError(f"malformed StepPlan: {e}") from e
+
+
+@dataclass
+class RowLogprobs:
+    """Logprobs for one sampled row: the sampled token's, and the top-n tokens'."""
+
+    row: int  # index into StepResult.slots
+    sampled: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class StepResult:
+    """What a worker returns for one StepPlan.
+
+    `slots` lists the rows that sampled, in plan order, and `token_ids` their sampled ids
+    as packed int32 (empty in host-logits mode, where the driver samples). In host-logits
+    mode `logits` holds the sampling rows' logits as raw bytes, `logits_shape` is
+    (rows, real vocab) and `logits_dtype` names the dtype; with device sampling
+    `logits` is b"" and `logits_shape` is (rows, 0).
+    """
+
+    step_id: int
+    slots: list[int] = field(default_factory=list)
+    token_ids: bytes = b""
+    logprobs: list[RowLogprobs] = field(default_factory=list)
+    logits: bytes = b""
+    logits_shape: tuple[int, int] = (0, 0)
+    logits_dtype: str = "float32"
+    step_time: float = 0.0  # seconds the worker spent executing the plan
+
+    def sampled_ids(self) -> list[int]:
+        return unpack_int32(self.token_ids)
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb(
+            [
+                PROTOCOL_VERSION,
+                self.step_id,
+                self.slots,
+                self.token_ids,
+                [[lp.row, lp.sampled, lp.top_ids, lp.top_logprobs] for lp in self.logprobs],
+                self.logits,
+                list(self.logits_shape),
+                self.logits_dtype,
+                self.step_time,
+            ],
+            use_bin_type=True,
+            use_single_float=True,
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "StepResult":
+        try:
+            version, step_id, slots, ids, lps, logits, shape, dtype, step_time = msgpack.unpackb(data, raw=False)
+            _check_version(version)
+            if not isinstance(ids, bytes) or not isinstance(logits, bytes):
+                raise ProtocolError("token_ids and logits must be bytes")
+            return cls(
+                step_id=step_id,
+                slots=list(slots),
+                token_ids=ids,
+                logprobs=[RowLogprobs(r, s, list(i), list(v)) for r, s, i, v in lps],
+                logits=logits,
+                logits_shape=(int(shape[0]), int(shape[1])),
+                logits_dtype=dtype,
+                step_time=float(step_time),
+            )
+        except ProtocolError:
+            raise
+        except Exception as e:
+            raise ProtocolError(f"malformed StepResult: {e}") from e
+
+
+def sampled_on_device(result: StepResult) -> bool:
+    """The one place that decides where a result's rows are sampled.
+
+    True when the worker sampled (ids are in the result); False in host-logits mode,
+    where the driver must sample from `result.logits`.
+    """
+    return result.logits_shape[1] == 0
+
+
+def _check_version(version) -> None:
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version!r} is not {PROTOCOL_VERSION}")
