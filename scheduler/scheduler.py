@@ -1,0 +1,437 @@
+"""Scheduler: continuous batching over a paged KV pool, driven by StepPlans and StepResults.
+
+Each schedule() builds one StepPlan: running decode rows first (in arrival order), then
+chunks of running prefills, then admissions from the waiting queue, all within
+max_num_seqs rows and max_num_batched_tokens tokens. A decode row that finds no free block
+preempts the newest running request (possibly itself): its blocks and slot are freed and
+it waits at the front of the queue to be recomputed from prompt + outputs.
+
+num_computed_tokens advances when a row is dispatched, so schedule() may run again
+before the previous step's update() (pipelining). A decode row whose input token is
+still in flight carries USE_RESIDENT. In-flight bookkeeping names each sampling row's
+Request at dispatch time, so slot reuse is safe and tokens for requests that finished
+meanwhile are discarded. Results must arrive in step order.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import insort
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from heapq import heapify, heappop, heappush
+
+from scheduler.blocks import ROOT_HASH, BlockManager, hash_block
+from scheduler.config import RequestUpdate, SchedulerConfig
+from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, StepResult, WorkerSampling
+from scheduler.request import FinishReason, Request, RequestStatus, TokenLogprobs
+
+__all__ = ["Scheduler", "SchedulerConfig", "RequestUpdate"]
+
+RUNNING, WAITING, FINISHED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.FINISHED
+
+
+def _arrival(req: Request) -> int:
+    return req.arrival_seq
+
+
+@dataclass(slots=True)
+class _InflightStep:
+    step_id: int
+    samples: list  # [(Request, position of the token it samples)], plan order
+    slots: list  # slots of those rows, as the StepResult must list them
+    confirms: list  # [(Request, admission, computed tokens after the row)] for rows that fill blocks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        if not isinstance(config, SchedulerConfig):
+            raise ValueError(f"config must be a SchedulerConfig, got {config!r}")
+        self.config = config
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self._max_len = config.max_total_tokens
+        self._requests: dict[str, Request] = {}  # unfinished only, in arrival order
+        self._waiting: OrderedDict[str, Request] = OrderedDict()
+        self._waiting_outstanding = 0  # outstanding_tokens() of the waiting queue
+        self._running: list[Request] = []  # sorted by arrival_seq
+        self._inflight: deque[_InflightStep] = deque()
+        self._next_step_id = 0
+        self._num_arrivals = 0
+        self._num_admissions = 0
+        self._num_steps = 0
+        self._num_prompt_tokens = 0
+        self._num_generated_tokens = 0
+        self._num_preemptions = 0
+        self._reset_worker_state()
+
+    def _reset_worker_state(self) -> None:
+        self.block_manager.reset()
+        self._free_slots = list(range(self.config.max_num_seqs))
+        heapify(self._free_slots)
+        self._drop_finished: list[int] = []  # slots for the next plan's `finished`
+        self._drop_preempted: list[int] = []  # slots for the next plan's `preempted`
+
+    # ---- intake -------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        rid, cfg = request.request_id, self.config
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already scheduled")
+        if request.status is not WAITING:
+            raise ValueError(f"request {rid!r} must be waiting to be added, got status {request.status.value}")
+        n = request.num_tokens
+        if n >= cfg.max_model_len:
+            raise ValueError(f"request {rid!r} has {n} tokens; max_model_len {cfg.max_model_len} leaves no room to generate")
+        if -(-(n + 1) // cfg.block_size) > cfg.num_blocks:
+            raise ValueError(
+                f"request {rid!r} has {n} tokens: {n + 1} tokens need {-(-(n + 1) // cfg.block_size)} blocks "
+                f"of {cfg.block_size}, the pool has {cfg.num_blocks}"
+            )
+        request.arrival_seq = self._num_arrivals
+        self._num_arrivals += 1
+        request.worker_sampling = WorkerSampling.from_params(
+            request.params, request.num_prompt_tokens, request.eos_token_ids
+        )
+        self._reset_bookkeeping(request)
+        self._requests[rid] = request
+        self._push_waiting(request, front=False)
+
+    # ---- planning -----------------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        cfg, bm = self.config, self.block_manager
+        bs, max_len = cfg.block_size, self._max_len
+        caching = cfg.enable_prefix_caching
+        budget = cfg.max_num_batched_tokens
+        rows: list[ScheduledRow] = []
+        samples: list = []
+        slots: list[int] = []
+        confirms: list = []
+        prefilling: list[Request] = []
+        preempted = False
+
+        # 1. decode rows of running requests, oldest first
+        running = self._running
+        i = 0
+        while i < len(running) and budget:
+            req = running[i]
+            i += 1
+            c = req.num_computed_tokens
+            if c < req.num_sent_tokens:
+                prefilling.append(req)
+                continue
+            pending = req.num_inflight_samples
+            n_known = req.num_tokens
+            if len(req.output_token_ids) + pending >= req.params.max_tokens or n_known + pending >= max_len:
+                continue  # its last token is already in flight
+            new_blocks = []
+            if c >= len(req.block_ids) * bs:
+                while not bm.num_free:
+                    victim = running[-1]
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is req:
+                        break
+                if req.status is not RUNNING:
+                    break  # it was the newest: nothing after it
+                new_blocks = bm.allocate(1)
+                req.block_ids += new_blocks
+            token = req.output_token_ids[c - req.num_prompt_tokens] if c < n_known else USE_RESIDENT
+            rows.append(ScheduledRow(req.slot, 1, new_blocks, token))
+            req.num_computed_tokens = c + 1
+            req.num_inflight_samples = pending + 1
+            samples.append((req, c + 1))
+            slots.append(req.slot)
+            if caching and (c + 1) % bs == 0:
+                confirms.append((req, req.admission, c + 1))
+            budget -= 1
+
+        # 2. next chunks of running prefills, shrunk to the free blocks; one that has no room
+        #    at all preempts the newest running request if that has no row in this plan yet
+        for req in prefilling:
+            if not budget:
+                break
+            if req.status is not RUNNING:
+                continue  # preempted by an older prefill just now
+            c, target, held = req.num_computed_tokens, req.num_sent_tokens, len(req.block_ids)
+            n = min(target - c, budget, (held + bm.num_free) * bs - c)
+            while n <= 0 and running[-1] is not req and running[-1].slot not in {r.slot for r in rows}:
+                self._preempt(running[-1])
+                preempted = True
+                n = min(target - c, budget, (held + bm.num_free) * bs - c)
+            if n <= 0:
+                continue
+            new_blocks = bm.allocate(max(0, -(-(c + n) // bs) - held))
+            req.block_ids += new_blocks
+            self._add_prefill_row(req, n, new_blocks, rows, samples, slots, confirms)
+            budget -= n
+
+        # 3. admissions, in queue order, unless this step had to preempt
+        new_requests: list[NewRequest] = []
+        if not preempted:
+            self._admit(budget, new_requests, rows, samples, slots, confirms)
+
+        if not rows and not self._drop_finished and not self._drop_preempted:
+            return None
+        plan = StepPlan(self._next_step_id, new_requests, rows, self._drop_finished, self._drop_preempted)
+        self._drop_finished, self._drop_preempted = [], []
+        self._inflight.append(_InflightStep(plan.step_id, samples, slots, confirms))
+        self._next_step_id += 1
+        self._num_steps += 1
+        return plan
+
+    def _admit(self, budget: int, new_requests, rows, samples, slots, confirms) -> None:
+        bm, bs = self.block_manager, self.config.block_size
+        while self._waiting and budget and self._free_slots:
+            req = next(iter(self._waiting.values()))
+            if req.num_inflight_samples:
+                break  # preempted with tokens in flight: its token list is not complete yet
+            tokens = req.all_token_ids
+            total = len(tokens)
+            hits = bm.match_prefix(tokens, req.block_hashes, (total - 1) // bs)
+            hit_tokens = len(hits) * bs
+            n = min(total - hit_tokens, budget)
+            num_new = -(-(hit_tokens + n) // bs) - len(hits)
+            if not bm.can_allocate(num_new, hits):
+                break
+            self._pop_waiting(req)
+            bm.record_lookup(total, hit_tokens)
+            bm.acquire(hits)
+            req.block_ids = hits + bm.allocate(num_new)
+            req.slot = heappop(self._free_slots)
+            req.status = RUNNING
+            self._num_admissions += 1
+            req.admission = self._num_admissions
+            req.num_sent_tokens = total
+            req.num_computed_tokens = hit_tokens
+            req.num_cached_tokens = hit_tokens
+            req.num_published_blocks = len(hits)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            insort(self._running, req, key=_arrival)
+            new_requests.append(NewRequest(req.slot, tokens, hit_tokens, list(req.block_ids), req.worker_sampling))
+            self._add_prefill_row(req, n, [], rows, samples, slots, confirms)
+            budget -= n
+
+    def _add_prefill_row(self, req: Request, n: int, new_blocks, rows, samples, slots, confirms) -> None:
+        c = req.num_computed_tokens
+        rows.append(ScheduledRow(req.slot, n, new_blocks, None))
+        req.num_computed_tokens = c + n
+        self._num_prompt_tokens += n
+        if c + n == req.num_sent_tokens:  # every known token computed: the row samples
+            req.num_inflight_samples += 1
+            samples.append((req, c + n))
+            slots.append(req.slot)
+        if self.config.enable_prefix_caching and (c + n) // self.config.block_size > c // self.config.block_size:
+            confirms.append((req, req.admission, c + n))
+
+    # ---- results ------------------------------------------------------------------------
+    def update(self, result: StepResult) -> list[RequestUpdate]:
+        if not self._inflight:
+            raise ValueError(f"result for step {result.step_id} but no step is in flight")
+        step = self._inflight[0]
+        if result.step_id != step.step_id:
+            raise ValueError(f"result for step {result.step_id} arrived; step {step.step_id} must come first")
+        if result.slots != step.slots:
+            raise ValueError(f"step {step.step_id}: result slots {result.slots} are not the sampling rows' {step.slots}")
+        ids = result.sampled_ids()
+        if len(ids) != len(step.samples):
+            raise ValueError(f"step {step.step_id}: {len(ids)} sampled ids for {len(step.samples)} sampling rows")
+        self._inflight.popleft()
+
+        for req, admission, computed in step.confirms:
+            if req.admission == admission and req.status is RUNNING:
+                self._publish(req, computed)
+
+        logprobs = {lp.row: lp for lp in result.logprobs} if result.logprobs else None
+        updates = []
+        now = time.monotonic()
+        max_len = self._max_len
+        for k, (req, position) in enumerate(step.samples):
+            if req.status is FINISHED:
+                continue  # finished meanwhile: the extra token is discarded
+            if position != req.num_tokens:
+                raise RuntimeError(f"request {req.request_id!r}: token for position {position} arrived at {req.num_tokens}")
+            req.num_inflight_samples -= 1
+            token = ids[k]
+            req.output_token_ids.append(token)
+            new_logprobs = []
+            if req.params.logprobs is not None:
+                lp = logprobs.get(k) if logprobs else None
+                if lp is None:
+                    raise ValueError(f"step {step.step_id}: row {k} (request {req.request_id!r}) has no logprobs")
+                new_logprobs = [TokenLogprobs(token, lp.sampled, lp.top_ids, lp.top_logprobs)]
+                req.output_logprobs.append(new_logprobs[0])
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            reason = req.stop_reason(token, max_len)
+            if reason is not None:
+                self._finish(req, reason, now)
+            updates.append(RequestUpdate(req, [token], new_logprobs, reason is not None))
+        self._num_generated_tokens += len(updates)
+        return updates
+
+    def sampling_rows(self, step_id: int) -> list[tuple[WorkerSampling, int]]:
+        """Each sampling row of an in-flight step (plan order): its params and the position it samples."""
+        for step in self._inflight:
+            if step.step_id == step_id:
+                return [(req.worker_sampling, position) for req, position in step.samples]
+        raise ValueError(f"step {step_id} is not in flight")
+
+    def _publish(self, req: Request, computed: int) -> None:
+        bs, bm = self.config.block_size, self.block_manager
+        n_full = computed // bs
+        hashes, prompt, outputs = req.block_hashes, req.prompt_token_ids, req.output_token_ids
+        n_prompt = len(prompt)
+        for i in range(req.num_published_blocks, n_full):
+            if i == len(hashes):
+                start, end = i * bs, (i + 1) * bs
+                if end <= n_prompt:
+                    tokens = prompt[start:end]
+                elif start >= n_prompt:
+                    tokens = outputs[start - n_prompt:end - n_prompt]
+                else:
+                    tokens = prompt[start:] + outputs[:end - n_prompt]
+                hashes.append(hash_block(hashes[i - 1] if i else ROOT_HASH, tokens))
+            bm.publish(req.block_ids[i], hashes[i])
+        req.num_published_blocks = max(req.num_published_blocks, n_full)
+
+    # ---- ending requests ----------------------------------------------------------------
+    def finish(self, request_id: str, reason: FinishReason) -> Request | None:
+        """Finish a request the driver decided is done (a stop string): frees its blocks."""
+        if not isinstance(reason, FinishReason):
+            raise ValueError(f"reason must be a FinishReason, got {reason!r}")
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, reason, time.monotonic())
+        return req
+
+    def abort(self, request_id: str) -> Request | None:
+        return self.finish(request_id, FinishReason.ABORT)
+
+    def fail_all(self, message: str) -> list[Request]:
+        """Finish every unfinished request with ERROR. In-flight steps stay in flight
+        (their tokens will be discarded); call recover() too if the worker lost its state."""
+        failed = list(self._requests.values())
+        now = time.monotonic()
+        for req in failed:
+            req.error = message
+            self._finish(req, FinishReason.ERROR, now)
+        return failed
+
+    def recover(self) -> None:
+        """The worker lost all its state: forget in-flight steps, the pool, the cache and the
+        slots; every unfinished request waits again, in arrival order, to be recomputed."""
+        self._inflight.clear()
+        self._reset_worker_state()
+        self._running = []
+        self._waiting = OrderedDict()
+        self._waiting_outstanding = 0
+        for req in self._requests.values():  # dict order is arrival order
+            req.status = WAITING
+            self._reset_bookkeeping(req)
+            self._push_waiting(req, front=False)
+
+    def _finish(self, req: Request, reason: FinishReason, now: float) -> None:
+        if req.status is RUNNING:
+            self._running.remove(req)
+            self._release(req, self._drop_finished)
+        elif req.status is WAITING:
+            self._pop_waiting(req)
+        req.status = FINISHED
+        req.finish_reason = reason
+        req.finish_time = now
+        del self._requests[req.request_id]
+
+    def _preempt(self, req: Request) -> None:
+        if self._running[-1] is req:
+            self._running.pop()
+        else:
+            self._running.remove(req)
+        self._release(req, self._drop_preempted)
+        req.status = WAITING
+        req.num_computed_tokens = 0
+        req.num_sent_tokens = 0
+        req.num_preemptions += 1
+        self._num_preemptions += 1
+        self._push_waiting(req, front=True)
+
+    def _release(self, req: Request, drop_list: list[int]) -> None:
+        self.block_manager.free(req.block_ids)
+        req.block_ids = []
+        drop_list.append(req.slot)
+        heappush(self._free_slots, req.slot)
+        req.slot = None
+
+    @staticmethod
+    def _reset_bookkeeping(req: Request) -> None:
+        req.slot = None
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.num_sent_tokens = 0
+        req.num_inflight_samples = 0
+        req.num_published_blocks = 0
+
+    # ---- queue ----------------------------------------------------------------------------
+    def _push_waiting(self, req: Request, front: bool) -> None:
+        self._waiting[req.request_id] = req
+        if front:
+            self._waiting.move_to_end(req.request_id, last=False)
+        self._waiting_outstanding += self._outstanding(req)
+
+    def _pop_waiting(self, req: Request) -> None:
+        del self._waiting[req.request_id]
+        self._waiting_outstanding -= self._outstanding(req)
+
+    def _outstanding(self, req: Request) -> int:
+        """Tokens still to compute: the rest of the prefill plus the rest of the generation budget."""
+        gen_cap = min(req.params.max_tokens, self._max_len - req.num_prompt_tokens)
+        return max(0, req.num_prompt_tokens + gen_cap - req.num_computed_tokens)
+
+    # ---- introspection ---------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """An unfinished request by id (finished ones are not kept)."""
+        return self._requests.get(request_id)
+
+    @property
+    def running(self) -> tuple[Request, ...]:
+        return tuple(self._running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_inflight_steps(self) -> int:
+        return len(self._inflight)
+
+    def outstanding_tokens(self) -> int:
+        """Tokens still to compute or generate over unfinished requests (routing among replicas)."""
+        return self._waiting_outstanding + sum(self._outstanding(r) for r in self._running)
+
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """Read-only prefix-cache lookup (routing): leading tokens an admission would hit."""
+        return self.block_manager.cached_prefix_tokens(token_ids)
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "steps": self._num_steps,
+            "prompt_tokens": self._num_prompt_tokens,
+            "generated_tokens": self._num_generated_tokens,
+            "prefix_queried_tokens": bm.queried_tokens,
+            "prefix_hit_tokens": bm.hit_tokens,
+            "prefix_hit_rate": bm.hit_tokens / bm.queried_tokens if bm.queried_tokens else 0.0,
+            "kv_blocks_used": bm.num_used,
+            "kv_blocks_total": bm.num_blocks,
+            "num_preemptions": self._num_preemptions,
+            "num_running": len(self._running),
+            "num_waiting": len(self._waiting),
+        }
