@@ -27,6 +27,22 @@ def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
     return hashlib.blake2b(parent + array("i", token_ids).tobytes(), digest_size=16).digest()
 
 
+def extend_chain(hashes: list[bytes], prompt: Sequence[int], outputs: Sequence[int], num_blocks: int,
+                 block_size: int) -> None:
+    """Extend `hashes` (a sequence's chain memo) to cover its first num_blocks full blocks,
+    where the sequence is prompt + outputs (kept apart to avoid copying them)."""
+    n_prompt = len(prompt)
+    for i in range(len(hashes), num_blocks):
+        start, end = i * block_size, (i + 1) * block_size
+        if end <= n_prompt:
+            tokens = prompt[start:end]
+        elif start >= n_prompt:
+            tokens = outputs[start - n_prompt:end - n_prompt]
+        else:
+            tokens = list(prompt[start:]) + list(outputs[:end - n_prompt])
+        hashes.append(hash_block(hashes[i - 1] if i else ROOT_HASH, tokens))
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 1:

@@ -204,6 +204,11 @@ class Request:
             return FinishReason.LENGTH
         return None
 
+    def num_outstanding_tokens(self, max_total_tokens: int) -> int:
+        """Tokens still to compute: the rest of the prefill plus what it may still generate."""
+        gen_cap = min(self.params.max_tokens, max_total_tokens - self.num_prompt_tokens)
+        return max(0, self.num_prompt_tokens + gen_cap - self.num_computed_tokens)
+
     @property
     def ttft(self) -> float | None:
         if self.first_token_time is None:

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import time
 from bisect import insort
-from collections import OrderedDict, deque
-from dataclasses import dataclass
+from collections import deque
 from heapq import heapify, heappop, heappush
 
-from scheduler.blocks import ROOT_HASH, BlockManager, hash_block
+from scheduler.blocks import BlockManager, extend_chain
 from scheduler.config import RequestUpdate, SchedulerConfig
-from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, StepResult, WorkerSampling
+from scheduler.protocol import USE_RESIDENT, NewRequest, StepPlan, StepResult, WorkerSampling
 from scheduler.request import FinishReason, Request, RequestStatus, TokenLogprobs
+from scheduler.step import Step
+from scheduler.waiting import WaitingQueue
 
 __all__ = ["Scheduler", "SchedulerConfig", "RequestUpdate"]
 
@@ -35,14 +36,6 @@ def _arrival(req: Request) -> int:
     return req.arrival_seq
 
 
-@dataclass(slots=True)
-class _InflightStep:
-    step_id: int
-    samples: list  # [(Request, position of the token it samples)], plan order
-    slots: list  # slots of those rows, as the StepResult must list them
-    confirms: list  # [(Request, admission, computed tokens after the row)] for rows that fill blocks
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         if not isinstance(config, SchedulerConfig):
@@ -51,10 +44,9 @@ class Scheduler:
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self._max_len = config.max_total_tokens
         self._requests: dict[str, Request] = {}  # unfinished only, in arrival order
-        self._waiting: OrderedDict[str, Request] = OrderedDict()
-        self._waiting_outstanding = 0  # outstanding_tokens() of the waiting queue
+        self._waiting = WaitingQueue(self._max_len)
         self._running: list[Request] = []  # sorted by arrival_seq
-        self._inflight: deque[_InflightStep] = deque()
+        self._inflight: deque[Step] = deque()
         self._next_step_id = 0
         self._num_arrivals = 0
         self._num_admissions = 0
@@ -93,33 +85,28 @@ class Scheduler:
         )
         self._reset_bookkeeping(request)
         self._requests[rid] = request
-        self._push_waiting(request, front=False)
+        self._waiting.push(request)
 
     # ---- planning -----------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
+        """The next step's plan, or None when there is nothing to compute and nothing to free."""
         cfg, bm = self.config, self.block_manager
         bs, max_len = cfg.block_size, self._max_len
-        caching = cfg.enable_prefix_caching
-        budget = cfg.max_num_batched_tokens
-        rows: list[ScheduledRow] = []
-        samples: list = []
-        slots: list[int] = []
-        confirms: list = []
+        step = Step(self._next_step_id, cfg.max_num_batched_tokens, bs, cfg.enable_prefix_caching)
         prefilling: list[Request] = []
         preempted = False
 
         # 1. decode rows of running requests, oldest first
         running = self._running
         i = 0
-        while i < len(running) and budget:
+        while i < len(running) and step.budget:
             req = running[i]
             i += 1
             c = req.num_computed_tokens
             if c < req.num_sent_tokens:
                 prefilling.append(req)
                 continue
-            pending = req.num_inflight_samples
-            n_known = req.num_tokens
+            pending, n_known = req.num_inflight_samples, req.num_tokens
             if len(req.output_token_ids) + pending >= req.params.max_tokens or n_known + pending >= max_len:
                 continue  # its last token is already in flight
             new_blocks = []
@@ -135,64 +122,55 @@ class Scheduler:
                 new_blocks = bm.allocate(1)
                 req.block_ids += new_blocks
             token = req.output_token_ids[c - req.num_prompt_tokens] if c < n_known else USE_RESIDENT
-            rows.append(ScheduledRow(req.slot, 1, new_blocks, token))
-            req.num_computed_tokens = c + 1
-            req.num_inflight_samples = pending + 1
-            samples.append((req, c + 1))
-            slots.append(req.slot)
-            if caching and (c + 1) % bs == 0:
-                confirms.append((req, req.admission, c + 1))
-            budget -= 1
+            step.add_row(req, 1, new_blocks, token)
 
-        # 2. next chunks of running prefills, shrunk to the free blocks; one that has no room
-        #    at all preempts the newest running request if that has no row in this plan yet
+        # 2. next chunks of running prefills, shrunk to the free blocks; one with no room at
+        #    all preempts the newest running request if that has no row in this plan yet
         for req in prefilling:
-            if not budget:
+            if not step.budget:
                 break
             if req.status is not RUNNING:
-                continue  # preempted by an older prefill just now
-            c, target, held = req.num_computed_tokens, req.num_sent_tokens, len(req.block_ids)
-            n = min(target - c, budget, (held + bm.num_free) * bs - c)
-            while n <= 0 and running[-1] is not req and running[-1].slot not in {r.slot for r in rows}:
+                continue  # preempted just now for an older prefill
+            c, held = req.num_computed_tokens, len(req.block_ids)
+            n = min(req.num_sent_tokens - c, step.budget, (held + bm.num_free) * bs - c)
+            while n <= 0 and running[-1] is not req and not step.has_row_for(running[-1].slot):
                 self._preempt(running[-1])
                 preempted = True
-                n = min(target - c, budget, (held + bm.num_free) * bs - c)
-            if n <= 0:
-                continue
-            new_blocks = bm.allocate(max(0, -(-(c + n) // bs) - held))
-            req.block_ids += new_blocks
-            self._add_prefill_row(req, n, new_blocks, rows, samples, slots, confirms)
-            budget -= n
+                n = min(req.num_sent_tokens - c, step.budget, (held + bm.num_free) * bs - c)
+            if n > 0:
+                new_blocks = bm.allocate(max(0, -(-(c + n) // bs) - held))
+                req.block_ids += new_blocks
+                step.add_row(req, n, new_blocks, None)
 
-        # 3. admissions, in queue order, unless this step had to preempt
-        new_requests: list[NewRequest] = []
+        # 3. admissions in queue order, unless this step had to preempt
         if not preempted:
-            self._admit(budget, new_requests, rows, samples, slots, confirms)
+            self._admit(step)
 
-        if not rows and not self._drop_finished and not self._drop_preempted:
+        if not step.rows and not self._drop_finished and not self._drop_preempted:
             return None
-        plan = StepPlan(self._next_step_id, new_requests, rows, self._drop_finished, self._drop_preempted)
+        plan = step.plan(self._drop_finished, self._drop_preempted)
         self._drop_finished, self._drop_preempted = [], []
-        self._inflight.append(_InflightStep(plan.step_id, samples, slots, confirms))
+        self._inflight.append(step)
         self._next_step_id += 1
         self._num_steps += 1
+        self._num_prompt_tokens += step.prefill_tokens
         return plan
 
-    def _admit(self, budget: int, new_requests, rows, samples, slots, confirms) -> None:
+    def _admit(self, step: Step) -> None:
         bm, bs = self.block_manager, self.config.block_size
-        while self._waiting and budget and self._free_slots:
-            req = next(iter(self._waiting.values()))
+        while self._waiting and step.budget and self._free_slots:
+            req = self._waiting.peek()
             if req.num_inflight_samples:
                 break  # preempted with tokens in flight: its token list is not complete yet
             tokens = req.all_token_ids
             total = len(tokens)
             hits = bm.match_prefix(tokens, req.block_hashes, (total - 1) // bs)
             hit_tokens = len(hits) * bs
-            n = min(total - hit_tokens, budget)
+            n = min(total - hit_tokens, step.budget)
             num_new = -(-(hit_tokens + n) // bs) - len(hits)
             if not bm.can_allocate(num_new, hits):
                 break
-            self._pop_waiting(req)
+            self._waiting.remove(req)
             bm.record_lookup(total, hit_tokens)
             bm.acquire(hits)
             req.block_ids = hits + bm.allocate(num_new)
@@ -201,40 +179,20 @@ class Scheduler:
             self._num_admissions += 1
             req.admission = self._num_admissions
             req.num_sent_tokens = total
-            req.num_computed_tokens = hit_tokens
-            req.num_cached_tokens = hit_tokens
+            req.num_computed_tokens = req.num_cached_tokens = hit_tokens
             req.num_published_blocks = len(hits)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             insort(self._running, req, key=_arrival)
-            new_requests.append(NewRequest(req.slot, tokens, hit_tokens, list(req.block_ids), req.worker_sampling))
-            self._add_prefill_row(req, n, [], rows, samples, slots, confirms)
-            budget -= n
-
-    def _add_prefill_row(self, req: Request, n: int, new_blocks, rows, samples, slots, confirms) -> None:
-        c = req.num_computed_tokens
-        rows.append(ScheduledRow(req.slot, n, new_blocks, None))
-        req.num_computed_tokens = c + n
-        self._num_prompt_tokens += n
-        if c + n == req.num_sent_tokens:  # every known token computed: the row samples
-            req.num_inflight_samples += 1
-            samples.append((req, c + n))
-            slots.append(req.slot)
-        if self.config.enable_prefix_caching and (c + n) // self.config.block_size > c // self.config.block_size:
-            confirms.append((req, req.admission, c + n))
+            step.new_requests.append(NewRequest(req.slot, tokens, hit_tokens, list(req.block_ids), req.worker_sampling))
+            step.add_row(req, n, [], None)
 
     # ---- results ------------------------------------------------------------------------
     def update(self, result: StepResult) -> list[RequestUpdate]:
         if not self._inflight:
             raise ValueError(f"result for step {result.step_id} but no step is in flight")
         step = self._inflight[0]
-        if result.step_id != step.step_id:
-            raise ValueError(f"result for step {result.step_id} arrived; step {step.step_id} must come first")
-        if result.slots != step.slots:
-            raise ValueError(f"step {step.step_id}: result slots {result.slots} are not the sampling rows' {step.slots}")
-        ids = result.sampled_ids()
-        if len(ids) != len(step.samples):
-            raise ValueError(f"step {step.step_id}: {len(ids)} sampled ids for {len(step.samples)} sampling rows")
+        ids = step.check(result)
         self._inflight.popleft()
 
         for req, admission, computed in step.confirms:
@@ -255,9 +213,7 @@ class Scheduler:
             req.output_token_ids.append(token)
             new_logprobs = []
             if req.params.logprobs is not None:
-                lp = logprobs.get(k) if logprobs else None
-                if lp is None:
-                    raise ValueError(f"step {step.step_id}: row {k} (request {req.request_id!r}) has no logprobs")
+                lp = logprobs[k]
                 new_logprobs = [TokenLogprobs(token, lp.sampled, lp.top_ids, lp.top_logprobs)]
                 req.output_logprobs.append(new_logprobs[0])
             if req.first_token_time is None:
@@ -278,22 +234,15 @@ class Scheduler:
         raise ValueError(f"step {step_id} is not in flight")
 
     def _publish(self, req: Request, computed: int) -> None:
-        bs, bm = self.config.block_size, self.block_manager
+        """Offer the request's blocks that the confirmed `computed` tokens filled to the cache."""
+        bs = self.config.block_size
         n_full = computed // bs
-        hashes, prompt, outputs = req.block_hashes, req.prompt_token_ids, req.output_token_ids
-        n_prompt = len(prompt)
+        if n_full <= req.num_published_blocks:
+            return
+        extend_chain(req.block_hashes, req.prompt_token_ids, req.output_token_ids, n_full, bs)
         for i in range(req.num_published_blocks, n_full):
-            if i == len(hashes):
-                start, end = i * bs, (i + 1) * bs
-                if end <= n_prompt:
-                    tokens = prompt[start:end]
-                elif start >= n_prompt:
-                    tokens = outputs[start - n_prompt:end - n_prompt]
-                else:
-                    tokens = prompt[start:] + outputs[:end - n_prompt]
-                hashes.append(hash_block(hashes[i - 1] if i else ROOT_HASH, tokens))
-            bm.publish(req.block_ids[i], hashes[i])
-        req.num_published_blocks = max(req.num_published_blocks, n_full)
+            self.block_manager.publish(req.block_ids[i], req.block_hashes[i])
+        req.num_published_blocks = n_full
 
     # ---- ending requests ----------------------------------------------------------------
     def finish(self, request_id: str, reason: FinishReason) -> Request | None:
@@ -325,19 +274,18 @@ class Scheduler:
         self._inflight.clear()
         self._reset_worker_state()
         self._running = []
-        self._waiting = OrderedDict()
-        self._waiting_outstanding = 0
+        self._waiting.clear()
         for req in self._requests.values():  # dict order is arrival order
             req.status = WAITING
             self._reset_bookkeeping(req)
-            self._push_waiting(req, front=False)
+            self._waiting.push(req)
 
     def _finish(self, req: Request, reason: FinishReason, now: float) -> None:
         if req.status is RUNNING:
             self._running.remove(req)
             self._release(req, self._drop_finished)
         elif req.status is WAITING:
-            self._pop_waiting(req)
+            self._waiting.remove(req)
         req.status = FINISHED
         req.finish_reason = reason
         req.finish_time = now
@@ -354,7 +302,7 @@ class Scheduler:
         req.num_sent_tokens = 0
         req.num_preemptions += 1
         self._num_preemptions += 1
-        self._push_waiting(req, front=True)
+        self._waiting.push(req, front=True)
 
     def _release(self, req: Request, drop_list: list[int]) -> None:
         self.block_manager.free(req.block_ids)
@@ -371,22 +319,6 @@ class Scheduler:
         req.num_sent_tokens = 0
         req.num_inflight_samples = 0
         req.num_published_blocks = 0
-
-    # ---- queue ----------------------------------------------------------------------------
-    def _push_waiting(self, req: Request, front: bool) -> None:
-        self._waiting[req.request_id] = req
-        if front:
-            self._waiting.move_to_end(req.request_id, last=False)
-        self._waiting_outstanding += self._outstanding(req)
-
-    def _pop_waiting(self, req: Request) -> None:
-        del self._waiting[req.request_id]
-        self._waiting_outstanding -= self._outstanding(req)
-
-    def _outstanding(self, req: Request) -> int:
-        """Tokens still to compute: the rest of the prefill plus the rest of the generation budget."""
-        gen_cap = min(req.params.max_tokens, self._max_len - req.num_prompt_tokens)
-        return max(0, req.num_prompt_tokens + gen_cap - req.num_computed_tokens)
 
     # ---- introspection ---------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -414,7 +346,8 @@ class Scheduler:
 
     def outstanding_tokens(self) -> int:
         """Tokens still to compute or generate over unfinished requests (routing among replicas)."""
-        return self._waiting_outstanding + sum(self._outstanding(r) for r in self._running)
+        max_len = self._max_len
+        return self._waiting.outstanding_tokens + sum(r.num_outstanding_tokens(max_len) for r in self._running)
 
     def cached_prefix_tokens(self, token_ids: list[int]) -> int:
         """Read-only prefix-cache lookup (routing): leading tokens an admission would hit."""
