@@ -79,7 +79,6 @@ class _Slot:
     computed: int
     table: list[int]
     sampling: object
-    sampled: int = 0
 
 
 @dataclass
@@ -90,6 +89,7 @@ class FakeRunner:
     slots: dict = field(default_factory=dict)
     kv: dict = field(default_factory=dict)  # (block, offset) -> (token, state)
     plans: list = field(default_factory=list)
+    num_sampled: int = 0
 
     @classmethod
     def for_scheduler(cls, sched: Scheduler, **kw) -> "FakeRunner":
@@ -145,7 +145,7 @@ class FakeRunner:
                     logprobs.append(RowLogprobs(len(ids), -token / 100, [token] * ws.logprobs,
                                                 [-token / 100] * ws.logprobs))
                 st.tokens.append(token)
-                st.sampled += 1
+                self.num_sampled += 1
                 ids.append(token)
                 slots.append(row.slot)
         result = StepResult(plan.step_id, slots, pack_int32(ids), logprobs, logits_shape=(len(ids), 0))
