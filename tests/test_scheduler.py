@@ -5,6 +5,7 @@ import weakref
 
 import pytest
 
+from scheduler.protocol import StepResult, pack_int32
 from scheduler.request import FinishReason, Request, RequestStatus, SamplingParams
 from tests.factories import (
     EOS,
@@ -235,7 +236,7 @@ def test_driver_side_finish_for_stop_strings():
     assert sched.finish(req.request_id, FinishReason.STOP) is None
     with pytest.raises(ValueError, match="reason"):
         sched.finish("other", "stop")
-    assert_matches_reference([req])
+    assert_matches_reference([req], cut_short={req.request_id})
 
 
 def test_eos_stop_ids_and_max_model_len_end_requests():
@@ -302,3 +303,35 @@ def test_outstanding_tokens_shrink_to_zero():
     seen = []
     drive(sched, FakeRunner.for_scheduler(sched), on_step=lambda s, _: seen.append(s.outstanding_tokens()))
     assert seen == sorted(seen, reverse=True) and seen[-1] == 0
+
+
+def test_a_preempted_request_returns_to_the_front_of_the_queue():
+    a, b, c = make_requests(3, prompt_len=4, max_tokens=12, ignore_eos=True)
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=2)
+    for r in (a, b, c):
+        sched.add_request(r)
+    runner = FakeRunner.for_scheduler(sched)
+    while not b.num_preemptions:
+        plan = sched.schedule()
+        sched.update(runner.execute(plan))
+    assert plan.new_requests == []  # no admissions in a step that had to preempt
+    assert c.first_scheduled_time is None and sched.num_waiting == 2
+    admitted = []
+    while not admitted:
+        plan = sched.schedule()
+        admitted = [request_of(nr, [a, b, c]) for nr in plan.new_requests]
+        sched.update(runner.execute(plan))
+    assert admitted[0] is b  # ahead of c, which arrived later and waited longer
+    drive(sched, runner)
+    assert_matches_reference([a, b, c])
+
+
+def test_eos_inside_min_tokens_does_not_stop():
+    [req] = make_requests(1, prompt_len=3, max_tokens=10, min_tokens=2)
+    sched = make_scheduler()
+    sched.add_request(req)
+    for n in range(1, 4):
+        plan = sched.schedule()
+        sched.update(StepResult(plan.step_id, [req.slot], pack_int32([EOS])))
+        assert req.is_finished == (n > req.params.min_tokens)
+    assert req.output_token_ids == [EOS] * 3 and req.finish_reason is FinishReason.STOP
