@@ -22,7 +22,7 @@ from heapq import heapify, heappop, heappush
 
 from scheduler.blocks import BlockManager, extend_chain
 from scheduler.config import RequestUpdate, SchedulerConfig
-from scheduler.protocol import USE_RESIDENT, NewRequest, StepPlan, StepResult, WorkerSampling
+from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, StepResult, WorkerSampling
 from scheduler.request import FinishReason, Request, RequestStatus, TokenLogprobs
 from scheduler.step import Step
 from scheduler.waiting import WaitingQueue
@@ -94,38 +94,13 @@ class Scheduler:
         bs, max_len = cfg.block_size, self._max_len
         step = Step(self._next_step_id, cfg.max_num_batched_tokens, bs, cfg.enable_prefix_caching)
         prefilling: list[Request] = []
-        preempted = False
 
         # 1. decode rows of running requests, oldest first
-        running = self._running
-        i = 0
-        while i < len(running) and step.budget:
-            req = running[i]
-            i += 1
-            c = req.num_computed_tokens
-            if c < req.num_sent_tokens:
-                prefilling.append(req)
-                continue
-            pending, n_known = req.num_inflight_samples, req.num_tokens
-            if len(req.output_token_ids) + pending >= req.params.max_tokens or n_known + pending >= max_len:
-                continue  # its last token is already in flight
-            new_blocks = []
-            if c >= len(req.block_ids) * bs:
-                while not bm.num_free:
-                    victim = running[-1]
-                    self._preempt(victim)
-                    preempted = True
-                    if victim is req:
-                        break
-                if req.status is not RUNNING:
-                    break  # it was the newest: nothing after it
-                new_blocks = bm.allocate(1)
-                req.block_ids += new_blocks
-            token = req.output_token_ids[c - req.num_prompt_tokens] if c < n_known else USE_RESIDENT
-            step.add_row(req, 1, new_blocks, token)
+        preempted = self._schedule_decodes(step, prefilling)
 
         # 2. next chunks of running prefills, shrunk to the free blocks; one with no room at
         #    all preempts the newest running request if that has no row in this plan yet
+        running = self._running
         for req in prefilling:
             if not step.budget:
                 break
@@ -155,6 +130,56 @@ class Scheduler:
         self._num_steps += 1
         self._num_prompt_tokens += step.prefill_tokens
         return plan
+
+    def _schedule_decodes(self, step: Step, prefilling: list[Request]) -> bool:
+        """One decode row per running request that has finished its prefill (the hot loop:
+        inlined). Collects the others into `prefilling`. Returns whether it preempted."""
+        bm, bs, max_len = self.block_manager, self.config.block_size, self._max_len
+        caching = self.config.enable_prefix_caching
+        rows, samples, slots, confirms = step.rows, step.samples, step.slots, step.confirms
+        running = self._running
+        budget = step.budget
+        preempted = False
+        for req in list(running):
+            if not budget:
+                break
+            if req.status is not RUNNING:
+                break  # preempted for an older request's block: so is everything after it
+            c = req.num_computed_tokens
+            if c < req.num_sent_tokens:
+                prefilling.append(req)
+                continue
+            outputs, pending = req.output_token_ids, req.num_inflight_samples
+            n_out = len(outputs)
+            n_known = len(req.prompt_token_ids) + n_out
+            if n_out + pending >= req.params.max_tokens or n_known + pending >= max_len:
+                continue  # its last token is already in flight
+            new_blocks = []
+            if c >= len(req.block_ids) * bs:
+                while not bm.num_free:
+                    victim = running[-1]
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is req:
+                        break
+                if req.status is not RUNNING:
+                    break  # it was the newest: nothing after it
+                new_blocks = bm.allocate(1)
+                req.block_ids += new_blocks
+            # the input is the last known token, or the one still in flight
+            slot = req.slot
+            rows.append(ScheduledRow(slot, 1, new_blocks, outputs[c - n_known] if c < n_known else USE_RESIDENT))
+            req.num_computed_tokens = c + 1
+            req.num_inflight_samples = pending + 1
+            if req.params.logprobs is not None:
+                step.logprob_rows.append(len(samples))
+            samples.append((req, c + 1))
+            slots.append(slot)
+            if caching and (c + 1) % bs == 0:
+                confirms.append((req, req.admission, c + 1))
+            budget -= 1
+        step.budget = budget
+        return preempted
 
     def _admit(self, step: Step) -> None:
         bm, bs = self.block_manager, self.config.block_size
@@ -206,23 +231,30 @@ class Scheduler:
         for k, (req, position) in enumerate(step.samples):
             if req.status is FINISHED:
                 continue  # finished meanwhile: the extra token is discarded
-            if position != req.num_tokens:
-                raise RuntimeError(f"request {req.request_id!r}: token for position {position} arrived at {req.num_tokens}")
+            outputs, params = req.output_token_ids, req.params
+            n_prompt = len(req.prompt_token_ids)
+            if position != n_prompt + len(outputs):
+                raise RuntimeError(f"request {req.request_id!r}: token for position {position} "
+                                   f"arrived at {n_prompt + len(outputs)}")
             req.num_inflight_samples -= 1
             token = ids[k]
-            req.output_token_ids.append(token)
+            outputs.append(token)
             new_logprobs = []
-            if req.params.logprobs is not None:
+            if params.logprobs is not None:
                 lp = logprobs[k]
                 new_logprobs = [TokenLogprobs(token, lp.sampled, lp.top_ids, lp.top_logprobs)]
                 req.output_logprobs.append(new_logprobs[0])
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
-            reason = req.stop_reason(token, max_len)
-            if reason is not None:
-                self._finish(req, reason, now)
-            updates.append(RequestUpdate(req, [token], new_logprobs, reason is not None))
+            finished = False
+            if (token in req.eos_token_ids or token in params.stop_token_ids
+                    or len(outputs) >= params.max_tokens or position + 1 >= max_len):
+                reason = req.stop_reason(token, max_len)
+                if reason is not None:
+                    self._finish(req, reason, now)
+                    finished = True
+            updates.append(RequestUpdate(req, [token], new_logprobs, finished))
         self._num_generated_tokens += len(updates)
         return updates
 

@@ -49,9 +49,11 @@ def test_a_token_after_the_stopping_one_is_discarded():
     assert sum(u.finished for u in updates) == len(reqs)
 
 
-def test_no_token_is_scheduled_beyond_max_tokens_even_in_flight():
-    [req] = make_requests(1, prompt_len=5, max_tokens=3, ignore_eos=True)
-    sched = make_scheduler()
+@pytest.mark.parametrize("max_tokens,max_model_len", [(3, 256), (50, 8)])
+def test_no_token_is_scheduled_beyond_the_limits_even_in_flight(max_tokens, max_model_len):
+    [req] = make_requests(1, prompt_len=5, max_tokens=max_tokens, ignore_eos=True)
+    allowed = min(max_tokens, max_model_len - req.num_prompt_tokens)
+    sched = make_scheduler(max_model_len=max_model_len)
     sched.add_request(req)
     runner = FakeRunner.for_scheduler(sched)
     results = []
@@ -59,10 +61,10 @@ def test_no_token_is_scheduled_beyond_max_tokens_even_in_flight():
     while plan is not None:  # never update: everything schedulable is scheduled
         results.append(runner.execute(plan))
         plan = sched.schedule()
-    assert sum(len(r.slots) for r in results) == req.params.max_tokens
+    assert sum(len(r.slots) for r in results) == allowed
     for result in results:
         sched.update(result)
-    assert req.finish_reason is FinishReason.LENGTH and len(req.output_token_ids) == 3
+    assert req.finish_reason is FinishReason.LENGTH and len(req.output_token_ids) == allowed
     assert sched.schedule().finished == [0] and sched.schedule() is None
 
 
