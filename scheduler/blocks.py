@@ -165,6 +165,14 @@ class BlockManager:
         max_blocks = (len(token_ids) - 1) // self.block_size if token_ids else 0
         return len(self.match_prefix(token_ids, [], max_blocks)) * self.block_size
 
+    def publish_chain(self, block_ids: Sequence[int], hashes: list[bytes], prompt: Sequence[int],
+                      outputs: Sequence[int], start: int, end: int) -> None:
+        """Publish a sequence's full blocks [start, end), extending its chain memo as needed."""
+        if self.enable_caching:
+            extend_chain(hashes, prompt, outputs, end, self.block_size)
+            for i in range(start, end):
+                self.publish(block_ids[i], hashes[i])
+
     def publish(self, block_id: int, block_hash: bytes) -> None:
         """Offer a full, confirmed block to the cache under its chain hash.
 

@@ -188,6 +188,22 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def append_output(self, token: int, logprobs: list[TokenLogprobs], now: float,
+                      max_total_tokens: int) -> FinishReason | None:
+        """Append one generated token (and its logprobs, [] or [one]); returns why the
+        request stops after it, or None. Cheap when the token cannot stop it."""
+        outputs, p = self.output_token_ids, self.params
+        outputs.append(token)
+        if logprobs:
+            self.output_logprobs += logprobs
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+        if (token in self.eos_token_ids or token in p.stop_token_ids or len(outputs) >= p.max_tokens
+                or len(self.prompt_token_ids) + len(outputs) >= max_total_tokens):
+            return self.stop_reason(token, max_total_tokens)
+        return None
+
     def stop_reason(self, token: int, max_total_tokens: int) -> FinishReason | None:
         """Why the request stops after `token` was appended to its outputs, or None.
 

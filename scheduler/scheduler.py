@@ -18,12 +18,12 @@ from __future__ import annotations
 import time
 from bisect import insort
 from collections import deque
-from heapq import heapify, heappop, heappush
 
-from scheduler.blocks import BlockManager, extend_chain
+from scheduler.blocks import BlockManager
 from scheduler.config import RequestUpdate, SchedulerConfig
 from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, StepResult, WorkerSampling
 from scheduler.request import FinishReason, Request, RequestStatus, TokenLogprobs
+from scheduler.slots import SlotPool
 from scheduler.step import Step
 from scheduler.waiting import WaitingQueue
 
@@ -54,14 +54,7 @@ class Scheduler:
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
         self._num_preemptions = 0
-        self._reset_worker_state()
-
-    def _reset_worker_state(self) -> None:
-        self.block_manager.reset()
-        self._free_slots = list(range(self.config.max_num_seqs))
-        heapify(self._free_slots)
-        self._drop_finished: list[int] = []  # slots for the next plan's `finished`
-        self._drop_preempted: list[int] = []  # slots for the next plan's `preempted`
+        self._slots = SlotPool(config.max_num_seqs)
 
     # ---- intake -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -91,7 +84,7 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """The next step's plan, or None when there is nothing to compute and nothing to free."""
         cfg, bm = self.config, self.block_manager
-        bs, max_len = cfg.block_size, self._max_len
+        bs = cfg.block_size
         step = Step(self._next_step_id, cfg.max_num_batched_tokens, bs, cfg.enable_prefix_caching)
         prefilling: list[Request] = []
 
@@ -121,10 +114,9 @@ class Scheduler:
         if not preempted:
             self._admit(step)
 
-        if not step.rows and not self._drop_finished and not self._drop_preempted:
+        if not step.rows and not self._slots.has_drops:
             return None
-        plan = step.plan(self._drop_finished, self._drop_preempted)
-        self._drop_finished, self._drop_preempted = [], []
+        plan = step.plan(*self._slots.take_drops())
         self._inflight.append(step)
         self._next_step_id += 1
         self._num_steps += 1
@@ -183,7 +175,7 @@ class Scheduler:
 
     def _admit(self, step: Step) -> None:
         bm, bs = self.block_manager, self.config.block_size
-        while self._waiting and step.budget and self._free_slots:
+        while self._waiting and step.budget and self._slots.num_free:
             req = self._waiting.peek()
             if req.num_inflight_samples:
                 break  # preempted with tokens in flight: its token list is not complete yet
@@ -199,7 +191,7 @@ class Scheduler:
             bm.record_lookup(total, hit_tokens)
             bm.acquire(hits)
             req.block_ids = hits + bm.allocate(num_new)
-            req.slot = heappop(self._free_slots)
+            req.slot = self._slots.take()
             req.status = RUNNING
             self._num_admissions += 1
             req.admission = self._num_admissions
@@ -231,30 +223,18 @@ class Scheduler:
         for k, (req, position) in enumerate(step.samples):
             if req.status is FINISHED:
                 continue  # finished meanwhile: the extra token is discarded
-            outputs, params = req.output_token_ids, req.params
-            n_prompt = len(req.prompt_token_ids)
-            if position != n_prompt + len(outputs):
-                raise RuntimeError(f"request {req.request_id!r}: token for position {position} "
-                                   f"arrived at {n_prompt + len(outputs)}")
+            if position != len(req.prompt_token_ids) + len(req.output_token_ids):
+                raise RuntimeError(f"request {req.request_id!r}: token for position {position} arrived out of order")
             req.num_inflight_samples -= 1
             token = ids[k]
-            outputs.append(token)
             new_logprobs = []
-            if params.logprobs is not None:
+            if req.params.logprobs is not None:
                 lp = logprobs[k]
                 new_logprobs = [TokenLogprobs(token, lp.sampled, lp.top_ids, lp.top_logprobs)]
-                req.output_logprobs.append(new_logprobs[0])
-            if req.first_token_time is None:
-                req.first_token_time = now
-            req.last_token_time = now
-            finished = False
-            if (token in req.eos_token_ids or token in params.stop_token_ids
-                    or len(outputs) >= params.max_tokens or position + 1 >= max_len):
-                reason = req.stop_reason(token, max_len)
-                if reason is not None:
-                    self._finish(req, reason, now)
-                    finished = True
-            updates.append(RequestUpdate(req, [token], new_logprobs, finished))
+            reason = req.append_output(token, new_logprobs, now, max_len)
+            if reason is not None:
+                self._finish(req, reason, now)
+            updates.append(RequestUpdate(req, [token], new_logprobs, reason is not None))
         self._num_generated_tokens += len(updates)
         return updates
 
@@ -267,14 +247,11 @@ class Scheduler:
 
     def _publish(self, req: Request, computed: int) -> None:
         """Offer the request's blocks that the confirmed `computed` tokens filled to the cache."""
-        bs = self.config.block_size
-        n_full = computed // bs
-        if n_full <= req.num_published_blocks:
-            return
-        extend_chain(req.block_hashes, req.prompt_token_ids, req.output_token_ids, n_full, bs)
-        for i in range(req.num_published_blocks, n_full):
-            self.block_manager.publish(req.block_ids[i], req.block_hashes[i])
-        req.num_published_blocks = n_full
+        n_full = computed // self.config.block_size
+        if n_full > req.num_published_blocks:
+            self.block_manager.publish_chain(req.block_ids, req.block_hashes, req.prompt_token_ids,
+                                             req.output_token_ids, req.num_published_blocks, n_full)
+            req.num_published_blocks = n_full
 
     # ---- ending requests ----------------------------------------------------------------
     def finish(self, request_id: str, reason: FinishReason) -> Request | None:
@@ -304,7 +281,8 @@ class Scheduler:
         """The worker lost all its state: forget in-flight steps, the pool, the cache and the
         slots; every unfinished request waits again, in arrival order, to be recomputed."""
         self._inflight.clear()
-        self._reset_worker_state()
+        self.block_manager.reset()
+        self._slots.reset()
         self._running = []
         self._waiting.clear()
         for req in self._requests.values():  # dict order is arrival order
@@ -315,7 +293,7 @@ class Scheduler:
     def _finish(self, req: Request, reason: FinishReason, now: float) -> None:
         if req.status is RUNNING:
             self._running.remove(req)
-            self._release(req, self._drop_finished)
+            self._release(req, preempted=False)
         elif req.status is WAITING:
             self._waiting.remove(req)
         req.status = FINISHED
@@ -328,7 +306,7 @@ class Scheduler:
             self._running.pop()
         else:
             self._running.remove(req)
-        self._release(req, self._drop_preempted)
+        self._release(req, preempted=True)
         req.status = WAITING
         req.num_computed_tokens = 0
         req.num_sent_tokens = 0
@@ -336,11 +314,10 @@ class Scheduler:
         self._num_preemptions += 1
         self._waiting.push(req, front=True)
 
-    def _release(self, req: Request, drop_list: list[int]) -> None:
+    def _release(self, req: Request, preempted: bool) -> None:
         self.block_manager.free(req.block_ids)
         req.block_ids = []
-        drop_list.append(req.slot)
-        heappush(self._free_slots, req.slot)
+        self._slots.release(req.slot, preempted)
         req.slot = None
 
     @staticmethod
