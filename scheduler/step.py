@@ -52,7 +52,7 @@ class Step:
         """The result's sampled ids, once it is known to answer this step; else ValueError."""
         if result.step_id != self.step_id:
             raise ValueError(f"result for step {result.step_id} arrived; step {self.step_id} must come first")
-        if result.slots != self.slots:
+        if list(result.slots) != self.slots:
             raise ValueError(f"step {self.step_id}: result slots {result.slots} are not the sampling rows' {self.slots}")
         ids = result.sampled_ids()  # [rows] int32
         if len(ids) != len(self.samples):
