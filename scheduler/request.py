@@ -162,6 +162,7 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"prompt must not be empty (request {self.request_id!r})")
+        self.prompt_token_ids = list(self.prompt_token_ids)
         # ids travel as packed int32 on the wire
         if not all(_is_int(t) and 0 <= t < 2**31 for t in self.prompt_token_ids):
             bad = next(t for t in self.prompt_token_ids if not (_is_int(t) and 0 <= t < 2**31))

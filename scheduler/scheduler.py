@@ -37,6 +37,8 @@ def _arrival(req: Request) -> int:
 
 
 class Scheduler:
+    """One replica's scheduler. Not thread-safe: one driver loop calls it."""
+
     def __init__(self, config: SchedulerConfig) -> None:
         if not isinstance(config, SchedulerConfig):
             raise ValueError(f"config must be a SchedulerConfig, got {config!r}")
@@ -108,7 +110,7 @@ class Scheduler:
             if n > 0:
                 new_blocks = bm.allocate(max(0, -(-(c + n) // bs) - held))
                 req.block_ids += new_blocks
-                step.add_row(req, n, new_blocks, None)
+                step.add_prefill_row(req, n, new_blocks)
 
         # 3. admissions in queue order, unless this step had to preempt
         if not preempted:
@@ -202,7 +204,7 @@ class Scheduler:
                 req.first_scheduled_time = time.monotonic()
             insort(self._running, req, key=_arrival)
             step.new_requests.append(NewRequest(req.slot, tokens, hit_tokens, list(req.block_ids), req.worker_sampling))
-            step.add_row(req, n, [], None)
+            step.add_prefill_row(req, n, [])
 
     # ---- results ------------------------------------------------------------------------
     def update(self, result: StepResult) -> list[RequestUpdate]:
@@ -363,6 +365,8 @@ class Scheduler:
         return self.block_manager.cached_prefix_tokens(token_ids)
 
     def stats(self) -> dict:
+        """Counters since start. prompt_tokens: tokens computed by prefill rows (recomputation
+        included, prefix-cache hits not); generated_tokens: tokens appended by update()."""
         bm = self.block_manager
         return {
             "steps": self._num_steps,

@@ -10,7 +10,9 @@ class Step:
     """Rows are added in plan order; each advances its request's num_computed_tokens.
 
     A row samples exactly when, after it, every token the worker knows for the request is
-    computed (known = sent or already sampled, including samples still in flight).
+    computed (known = sent or already sampled, including samples still in flight): a
+    decode row always, a prefill chunk when it is the last. Decode rows are appended by
+    the Scheduler's inlined hot loop with the same bookkeeping as add_prefill_row.
     """
 
     __slots__ = ("step_id", "budget", "rows", "new_requests", "samples", "slots", "confirms", "logprob_rows",
@@ -29,13 +31,13 @@ class Step:
         self._bs = block_size
         self._caching = caching
 
-    def add_row(self, req: Request, n: int, new_blocks: list[int], token: int | None) -> None:
+    def add_prefill_row(self, req: Request, n: int, new_blocks: list[int]) -> None:
+        """n of the request's sent tokens, from its num_computed_tokens on."""
         c = req.num_computed_tokens
-        self.rows.append(ScheduledRow(req.slot, n, new_blocks, token))
+        self.rows.append(ScheduledRow(req.slot, n, new_blocks, None))
         req.num_computed_tokens = c + n
         self.budget -= n
-        if token is None:
-            self.prefill_tokens += n
+        self.prefill_tokens += n
         if c + n == req.num_tokens + req.num_inflight_samples:
             req.num_inflight_samples += 1
             if req.params.logprobs is not None:
