@@ -78,6 +78,7 @@ def test_long_prompt_is_prefilled_in_chunks_around_running_decodes():
         chunks += [r.num_tokens for r in plan.rows if r.slot == long.slot]
         rows.append((long.slot in result.slots, long.num_computed_tokens))
         sched.update(result)
+    # the budget of 16 minus the decode row that goes first
     assert sum(chunks) == long.num_prompt_tokens and max(chunks) == 16 - 1
     assert [samples for samples, _ in rows] == [False] * (len(rows) - 1) + [True]  # only the last chunk samples
     assert sum(len(p.new_requests) for p in runner.plans) == 2  # the long prompt was sent once
@@ -260,12 +261,14 @@ def test_eos_stop_ids_and_max_model_len_end_requests():
 
 
 def test_add_request_refuses_what_can_never_run():
-    sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=32)
-    with pytest.raises(ValueError, match=r"'long'.*32.*max_model_len 32"):
-        sched.add_request(Request("long", list(range(32))))
-    with pytest.raises(ValueError, match=r"'big'.*16 tokens.*5 blocks.*4"):
-        sched.add_request(Request("big", list(range(16))))
-    sched.add_request(Request("ok", list(range(15))))
+    num_blocks, bs, max_len = 4, 4, 32
+    sched = make_scheduler(num_blocks=num_blocks, block_size=bs, max_model_len=max_len)
+    with pytest.raises(ValueError, match=rf"'long'.*{max_len} tokens.*max_model_len {max_len}"):
+        sched.add_request(Request("long", list(range(max_len))))
+    too_big = num_blocks * bs  # one more token (the first output) needs one more block than the pool
+    with pytest.raises(ValueError, match=rf"'big'.*{too_big} tokens.*{num_blocks + 1} blocks.*pool has {num_blocks}"):
+        sched.add_request(Request("big", list(range(too_big))))
+    sched.add_request(Request("ok", list(range(too_big - 1))))
     with pytest.raises(ValueError, match="'ok'"):
         sched.add_request(Request("ok", [1]))
     assert sched.num_waiting == 1
