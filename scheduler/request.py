@@ -6,6 +6,10 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from scheduler.protocol import WorkerSampling
 
 MAX_LOGPROBS = 20
 
@@ -103,6 +107,19 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
+@dataclass
+class TokenLogprobs:
+    """Logprobs of one generated token: its own, and the top-n tokens' (n = params.logprobs).
+
+    Values are natural-log probabilities from the model's raw distribution.
+    """
+
+    token_id: int
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
 @dataclass(eq=False)
 class Request:
     """One generation request as the scheduler tracks it."""
@@ -114,6 +131,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_token_ids: list[int] = field(default_factory=list)
+    # parallel to output_token_ids when params.logprobs is not None, else empty
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # tokens whose K/V is computed or being computed by a dispatched step (this admission)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -127,9 +147,31 @@ class Request:
     last_token_time: float | None = None
     finish_time: float | None = None
 
+    # Scheduler bookkeeping: owned by the Scheduler, read-only for everyone else.
+    slot: int | None = field(default=None, repr=False)  # wire id while on the worker
+    block_ids: list[int] = field(default_factory=list, repr=False)  # KV block table
+    # memo of the prefix-cache hash chain over the full blocks of all_token_ids
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    num_published_blocks: int = field(default=0, repr=False)  # leading blocks offered to the cache
+    num_sent_tokens: int = field(default=0, repr=False)  # len(NewRequest.token_ids), this admission
+    num_inflight_samples: int = field(default=0, repr=False)  # sampled by dispatched steps, not yet returned
+    arrival_seq: int = field(default=-1, repr=False)  # order of add_request()
+    admission: int = field(default=0, repr=False)  # bumped at every (re-)admission
+    worker_sampling: "WorkerSampling | None" = field(default=None, repr=False)
+
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"prompt must not be empty (request {self.request_id!r})")
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        # ids travel as packed int32 on the wire
+        if not all(_is_int(t) and 0 <= t < 2**31 for t in self.prompt_token_ids):
+            bad = next(t for t in self.prompt_token_ids if not (_is_int(t) and 0 <= t < 2**31))
+            raise ValueError(
+                f"prompt_token_ids must be integers in [0, 2**31) (request {self.request_id!r}), got {bad!r}"
+            )
+        if not isinstance(self.params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams (request {self.request_id!r}), got {self.params!r}")
+        self.eos_token_ids = frozenset(self.eos_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -146,6 +188,43 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def append_output(self, token: int, logprobs: list[TokenLogprobs], now: float,
+                      max_total_tokens: int) -> FinishReason | None:
+        """Append one generated token (and its logprobs, [] or [one]); returns why the
+        request stops after it, or None. Cheap when the token cannot stop it."""
+        outputs, p = self.output_token_ids, self.params
+        outputs.append(token)
+        if logprobs:
+            self.output_logprobs += logprobs
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+        if (token in self.eos_token_ids or token in p.stop_token_ids or len(outputs) >= p.max_tokens
+                or len(self.prompt_token_ids) + len(outputs) >= max_total_tokens):
+            return self.stop_reason(token, max_total_tokens)
+        return None
+
+    def stop_reason(self, token: int, max_total_tokens: int) -> FinishReason | None:
+        """Why the request stops after `token` was appended to its outputs, or None.
+
+        EOS (unless ignore_eos) and stop_token_ids count only past min_tokens (the worker
+        bans them before); max_tokens and max_total_tokens (prompt + outputs) always count.
+        """
+        n_out = len(self.output_token_ids)
+        p = self.params
+        if n_out > p.min_tokens and (
+            (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        ):
+            return FinishReason.STOP
+        if n_out >= p.max_tokens or self.num_tokens >= max_total_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def num_outstanding_tokens(self, max_total_tokens: int) -> int:
+        """Tokens still to compute: the rest of the prefill plus what it may still generate."""
+        gen_cap = min(self.params.max_tokens, max_total_tokens - self.num_prompt_tokens)
+        return max(0, self.num_prompt_tokens + gen_cap - self.num_computed_tokens)
 
     @property
     def ttft(self) -> float | None:

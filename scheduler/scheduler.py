@@ -1,0 +1,383 @@
+"""Scheduler: continuous batching over a paged KV pool, driven by StepPlans and StepResults.
+
+Each schedule() builds one StepPlan: running decode rows first (in arrival order), then
+chunks of running prefills, then admissions from the waiting queue, all within
+max_num_seqs rows and max_num_batched_tokens tokens. A decode row that finds no free block
+preempts the newest running request (possibly itself): its blocks and slot are freed and
+it waits at the front of the queue to be recomputed from prompt + outputs.
+
+num_computed_tokens advances when a row is dispatched, so schedule() may run again
+before the previous step's update() (pipelining). A decode row whose input token is
+still in flight carries USE_RESIDENT. In-flight bookkeeping names each sampling row's
+Request at dispatch time, so slot reuse is safe and tokens for requests that finished
+meanwhile are discarded. Results must arrive in step order.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import insort
+from collections import deque
+
+from scheduler.blocks import BlockManager
+from scheduler.config import RequestUpdate, SchedulerConfig
+from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, StepResult, WorkerSampling
+from scheduler.request import FinishReason, Request, RequestStatus, TokenLogprobs
+from scheduler.slots import SlotPool
+from scheduler.step import Step
+from scheduler.waiting import WaitingQueue
+
+__all__ = ["Scheduler", "SchedulerConfig", "RequestUpdate"]
+
+RUNNING, WAITING, FINISHED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.FINISHED
+
+
+def _arrival(req: Request) -> int:
+    return req.arrival_seq
+
+
+class Scheduler:
+    """One replica's scheduler. Not thread-safe: one driver loop calls it."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        if not isinstance(config, SchedulerConfig):
+            raise ValueError(f"config must be a SchedulerConfig, got {config!r}")
+        self.config = config
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self._max_len = config.max_total_tokens
+        self._requests: dict[str, Request] = {}  # unfinished only, in arrival order
+        self._waiting = WaitingQueue(self._max_len)
+        self._running: list[Request] = []  # sorted by arrival_seq
+        self._inflight: deque[Step] = deque()
+        self._next_step_id = 0
+        self._num_arrivals = 0
+        self._num_admissions = 0
+        self._num_steps = 0
+        self._num_prompt_tokens = 0
+        self._num_generated_tokens = 0
+        self._num_preemptions = 0
+        self._slots = SlotPool(config.max_num_seqs)
+
+    # ---- intake -------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        rid, cfg = request.request_id, self.config
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already scheduled")
+        if request.status is not WAITING:
+            raise ValueError(f"request {rid!r} must be waiting to be added, got status {request.status.value}")
+        n = request.num_tokens
+        if n >= cfg.max_model_len:
+            raise ValueError(f"request {rid!r} has {n} tokens; max_model_len {cfg.max_model_len} leaves no room to generate")
+        if -(-(n + 1) // cfg.block_size) > cfg.num_blocks:
+            raise ValueError(
+                f"request {rid!r} has {n} tokens: {n + 1} tokens need {-(-(n + 1) // cfg.block_size)} blocks "
+                f"of {cfg.block_size}, the pool has {cfg.num_blocks}"
+            )
+        request.arrival_seq = self._num_arrivals
+        self._num_arrivals += 1
+        request.worker_sampling = WorkerSampling.from_params(
+            request.params, request.num_prompt_tokens, request.eos_token_ids
+        )
+        self._reset_bookkeeping(request)
+        self._requests[rid] = request
+        self._waiting.push(request)
+
+    # ---- planning -----------------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        """The next step's plan, or None when there is nothing to compute and nothing to free."""
+        cfg, bm = self.config, self.block_manager
+        bs = cfg.block_size
+        step = Step(self._next_step_id, cfg.max_num_batched_tokens, bs, cfg.enable_prefix_caching)
+        prefilling: list[Request] = []
+
+        # 1. decode rows of running requests, oldest first
+        preempted = self._schedule_decodes(step, prefilling)
+
+        # 2. next chunks of running prefills, shrunk to the free blocks; one with no room at
+        #    all preempts the newest running request if that has no row in this plan yet
+        running = self._running
+        for req in prefilling:
+            if not step.budget:
+                break
+            if req.status is not RUNNING:
+                continue  # preempted just now for an older prefill
+            c, held = req.num_computed_tokens, len(req.block_ids)
+            n = min(req.num_sent_tokens - c, step.budget, (held + bm.num_free) * bs - c)
+            while n <= 0 and running[-1] is not req and not step.has_row_for(running[-1].slot):
+                self._preempt(running[-1])
+                preempted = True
+                n = min(req.num_sent_tokens - c, step.budget, (held + bm.num_free) * bs - c)
+            if n > 0:
+                new_blocks = bm.allocate(max(0, -(-(c + n) // bs) - held))
+                req.block_ids += new_blocks
+                step.add_prefill_row(req, n, new_blocks)
+
+        # 3. admissions in queue order, unless this step had to preempt
+        if not preempted:
+            self._admit(step)
+
+        if not step.rows and not self._slots.has_drops:
+            return None
+        plan = step.plan(*self._slots.take_drops())
+        self._inflight.append(step)
+        self._next_step_id += 1
+        self._num_steps += 1
+        self._num_prompt_tokens += step.prefill_tokens
+        return plan
+
+    def _schedule_decodes(self, step: Step, prefilling: list[Request]) -> bool:
+        """One decode row per running request that has finished its prefill (the hot loop:
+        inlined). Collects the others into `prefilling`. Returns whether it preempted."""
+        bm, bs, max_len = self.block_manager, self.config.block_size, self._max_len
+        caching = self.config.enable_prefix_caching
+        rows, samples, slots, confirms = step.rows, step.samples, step.slots, step.confirms
+        running = self._running
+        budget = step.budget
+        preempted = False
+        for req in list(running):
+            if not budget:
+                break
+            if req.status is not RUNNING:
+                break  # preempted for an older request's block: so is everything after it
+            c = req.num_computed_tokens
+            if c < req.num_sent_tokens:
+                prefilling.append(req)
+                continue
+            outputs, pending = req.output_token_ids, req.num_inflight_samples
+            n_out = len(outputs)
+            n_known = len(req.prompt_token_ids) + n_out
+            if n_out + pending >= req.params.max_tokens or n_known + pending >= max_len:
+                continue  # its last token is already in flight
+            new_blocks = []
+            if c >= len(req.block_ids) * bs:
+                while not bm.num_free:
+                    victim = running[-1]
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is req:
+                        break
+                if req.status is not RUNNING:
+                    break  # it was the newest: nothing after it
+                new_blocks = bm.allocate(1)
+                req.block_ids += new_blocks
+            # the input is the last known token, or the one still in flight
+            slot = req.slot
+            rows.append(ScheduledRow(slot, 1, new_blocks, outputs[c - n_known] if c < n_known else USE_RESIDENT))
+            req.num_computed_tokens = c + 1
+            req.num_inflight_samples = pending + 1
+            if req.params.logprobs is not None:
+                step.logprob_rows.append(len(samples))
+            samples.append((req, c + 1))
+            slots.append(slot)
+            if caching and (c + 1) % bs == 0:
+                confirms.append((req, req.admission, c + 1))
+            budget -= 1
+        step.budget = budget
+        return preempted
+
+    def _admit(self, step: Step) -> None:
+        bm, bs = self.block_manager, self.config.block_size
+        while self._waiting and step.budget and self._slots.num_free:
+            req = self._waiting.peek()
+            if req.num_inflight_samples:
+                break  # preempted with tokens in flight: its token list is not complete yet
+            tokens = req.all_token_ids
+            total = len(tokens)
+            hits = bm.match_prefix(tokens, req.block_hashes, (total - 1) // bs)
+            hit_tokens = len(hits) * bs
+            n = min(total - hit_tokens, step.budget)
+            num_new = -(-(hit_tokens + n) // bs) - len(hits)
+            if not bm.can_allocate(num_new, hits):
+                break
+            self._waiting.remove(req)
+            bm.record_lookup(total, hit_tokens)
+            bm.acquire(hits)
+            req.block_ids = hits + bm.allocate(num_new)
+            req.slot = self._slots.take()
+            req.status = RUNNING
+            self._num_admissions += 1
+            req.admission = self._num_admissions
+            req.num_sent_tokens = total
+            req.num_computed_tokens = req.num_cached_tokens = hit_tokens
+            req.num_published_blocks = len(hits)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            insort(self._running, req, key=_arrival)
+            step.new_requests.append(NewRequest(req.slot, tokens, hit_tokens, list(req.block_ids), req.worker_sampling))
+            step.add_prefill_row(req, n, [])
+
+    # ---- results ------------------------------------------------------------------------
+    def update(self, result: StepResult) -> list[RequestUpdate]:
+        if not self._inflight:
+            raise ValueError(f"result for step {result.step_id} but no step is in flight")
+        step = self._inflight[0]
+        ids = step.check(result)
+        self._inflight.popleft()
+
+        for req, admission, computed in step.confirms:
+            if req.admission == admission and req.status is RUNNING:
+                self._publish(req, computed)
+
+        logprobs = {lp.row: lp for lp in result.logprobs} if result.logprobs else None
+        updates = []
+        now = time.monotonic()
+        max_len = self._max_len
+        for k, (req, position) in enumerate(step.samples):
+            if req.status is FINISHED:
+                continue  # finished meanwhile: the extra token is discarded
+            if position != len(req.prompt_token_ids) + len(req.output_token_ids):
+                raise RuntimeError(f"request {req.request_id!r}: token for position {position} arrived out of order")
+            req.num_inflight_samples -= 1
+            token = ids[k]
+            new_logprobs = []
+            if req.params.logprobs is not None:
+                lp = logprobs[k]
+                new_logprobs = [TokenLogprobs(token, lp.sampled, lp.top_ids, lp.top_logprobs)]
+            reason = req.append_output(token, new_logprobs, now, max_len)
+            if reason is not None:
+                self._finish(req, reason, now)
+            updates.append(RequestUpdate(req, [token], new_logprobs, reason is not None))
+        self._num_generated_tokens += len(updates)
+        return updates
+
+    def sampling_rows(self, step_id: int) -> list[tuple[WorkerSampling, int]]:
+        """Each sampling row of an in-flight step (plan order): its params and the position it samples."""
+        for step in self._inflight:
+            if step.step_id == step_id:
+                return [(req.worker_sampling, position) for req, position in step.samples]
+        raise ValueError(f"step {step_id} is not in flight")
+
+    def _publish(self, req: Request, computed: int) -> None:
+        """Offer the request's blocks that the confirmed `computed` tokens filled to the cache."""
+        n_full = computed // self.config.block_size
+        if n_full > req.num_published_blocks:
+            self.block_manager.publish_chain(req.block_ids, req.block_hashes, req.prompt_token_ids,
+                                             req.output_token_ids, req.num_published_blocks, n_full)
+            req.num_published_blocks = n_full
+
+    # ---- ending requests ----------------------------------------------------------------
+    def finish(self, request_id: str, reason: FinishReason) -> Request | None:
+        """Finish a request the driver decided is done (a stop string): frees its blocks."""
+        if not isinstance(reason, FinishReason):
+            raise ValueError(f"reason must be a FinishReason, got {reason!r}")
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, reason, time.monotonic())
+        return req
+
+    def abort(self, request_id: str) -> Request | None:
+        return self.finish(request_id, FinishReason.ABORT)
+
+    def fail_all(self, message: str) -> list[Request]:
+        """Finish every unfinished request with ERROR. In-flight steps stay in flight
+        (their tokens will be discarded); call recover() too if the worker lost its state."""
+        failed = list(self._requests.values())
+        now = time.monotonic()
+        for req in failed:
+            req.error = message
+            self._finish(req, FinishReason.ERROR, now)
+        return failed
+
+    def recover(self) -> None:
+        """The worker lost all its state: forget in-flight steps, the pool, the cache and the
+        slots; every unfinished request waits again, in arrival order, to be recomputed."""
+        self._inflight.clear()
+        self.block_manager.reset()
+        self._slots.reset()
+        self._running = []
+        self._waiting.clear()
+        for req in self._requests.values():  # dict order is arrival order
+            req.status = WAITING
+            self._reset_bookkeeping(req)
+            self._waiting.push(req)
+
+    def _finish(self, req: Request, reason: FinishReason, now: float) -> None:
+        if req.status is RUNNING:
+            self._running.remove(req)
+            self._release(req, preempted=False)
+        elif req.status is WAITING:
+            self._waiting.remove(req)
+        req.status = FINISHED
+        req.finish_reason = reason
+        req.finish_time = now
+        del self._requests[req.request_id]
+
+    def _preempt(self, req: Request) -> None:
+        if self._running[-1] is req:
+            self._running.pop()
+        else:
+            self._running.remove(req)
+        self._release(req, preempted=True)
+        req.status = WAITING
+        req.num_computed_tokens = 0
+        req.num_sent_tokens = 0
+        req.num_preemptions += 1
+        self._num_preemptions += 1
+        self._waiting.push(req, front=True)
+
+    def _release(self, req: Request, preempted: bool) -> None:
+        self.block_manager.free(req.block_ids)
+        req.block_ids = []
+        self._slots.release(req.slot, preempted)
+        req.slot = None
+
+    @staticmethod
+    def _reset_bookkeeping(req: Request) -> None:
+        req.slot = None
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.num_sent_tokens = 0
+        req.num_inflight_samples = 0
+        req.num_published_blocks = 0
+
+    # ---- introspection ---------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """An unfinished request by id (finished ones are not kept)."""
+        return self._requests.get(request_id)
+
+    @property
+    def running(self) -> tuple[Request, ...]:
+        return tuple(self._running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_inflight_steps(self) -> int:
+        return len(self._inflight)
+
+    def outstanding_tokens(self) -> int:
+        """Tokens still to compute or generate over unfinished requests (routing among replicas)."""
+        max_len = self._max_len
+        return self._waiting.outstanding_tokens + sum(r.num_outstanding_tokens(max_len) for r in self._running)
+
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """Read-only prefix-cache lookup (routing): leading tokens an admission would hit."""
+        return self.block_manager.cached_prefix_tokens(token_ids)
+
+    def stats(self) -> dict:
+        """Counters since start. prompt_tokens: tokens computed by prefill rows (recomputation
+        included, prefix-cache hits not); generated_tokens: tokens appended by update()."""
+        bm = self.block_manager
+        return {
+            "steps": self._num_steps,
+            "prompt_tokens": self._num_prompt_tokens,
+            "generated_tokens": self._num_generated_tokens,
+            "prefix_queried_tokens": bm.queried_tokens,
+            "prefix_hit_tokens": bm.hit_tokens,
+            "prefix_hit_rate": bm.hit_tokens / bm.queried_tokens if bm.queried_tokens else 0.0,
+            "kv_blocks_used": bm.num_used,
+            "kv_blocks_total": bm.num_blocks,
+            "num_preemptions": self._num_preemptions,
+            "num_running": len(self._running),
+            "num_waiting": len(self._waiting),
+        }

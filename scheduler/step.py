@@ -1,0 +1,70 @@
+"""Step: one StepPlan being built, then the bookkeeping its StepResult is checked against."""
+
+from __future__ import annotations
+
+from scheduler.protocol import NewRequest, ScheduledRow, StepPlan, StepResult
+from scheduler.request import Request
+
+
+class Step:
+    """Rows are added in plan order; each advances its request's num_computed_tokens.
+
+    A row samples exactly when, after it, every token the worker knows for the request is
+    computed (known = sent or already sampled, including samples still in flight): a
+    decode row always, a prefill chunk when it is the last. Decode rows are appended by
+    the Scheduler's inlined hot loop with the same bookkeeping as add_prefill_row.
+    """
+
+    __slots__ = ("step_id", "budget", "rows", "new_requests", "samples", "slots", "confirms", "logprob_rows",
+                 "prefill_tokens", "_bs", "_caching")
+
+    def __init__(self, step_id: int, budget: int, block_size: int, caching: bool) -> None:
+        self.step_id = step_id
+        self.budget = budget  # tokens left for this step
+        self.rows: list[ScheduledRow] = []
+        self.new_requests: list[NewRequest] = []
+        self.samples: list[tuple[Request, int]] = []  # (request, position it samples), plan order
+        self.slots: list[int] = []  # their slots: what StepResult.slots must be
+        self.confirms: list[tuple[Request, int, int]] = []  # (request, admission, computed after) for rows filling blocks
+        self.logprob_rows: list[int] = []  # indexes into samples of requests that asked for logprobs
+        self.prefill_tokens = 0
+        self._bs = block_size
+        self._caching = caching
+
+    def add_prefill_row(self, req: Request, n: int, new_blocks: list[int]) -> None:
+        """n of the request's sent tokens, from its num_computed_tokens on."""
+        c = req.num_computed_tokens
+        self.rows.append(ScheduledRow(req.slot, n, new_blocks, None))
+        req.num_computed_tokens = c + n
+        self.budget -= n
+        self.prefill_tokens += n
+        if c + n == req.num_tokens + req.num_inflight_samples:
+            req.num_inflight_samples += 1
+            if req.params.logprobs is not None:
+                self.logprob_rows.append(len(self.samples))
+            self.samples.append((req, c + n))
+            self.slots.append(req.slot)
+        if self._caching and (c + n) // self._bs > c // self._bs:
+            self.confirms.append((req, req.admission, c + n))
+
+    def has_row_for(self, slot: int) -> bool:
+        return any(r.slot == slot for r in self.rows)
+
+    def check(self, result: StepResult) -> list[int]:
+        """The result's sampled ids, once it is known to answer this step; else ValueError."""
+        if result.step_id != self.step_id:
+            raise ValueError(f"result for step {result.step_id} arrived; step {self.step_id} must come first")
+        if list(result.slots) != self.slots:
+            raise ValueError(f"step {self.step_id}: result slots {result.slots} are not the sampling rows' {self.slots}")
+        ids = result.sampled_ids()  # [rows] int32
+        if len(ids) != len(self.samples):
+            raise ValueError(f"step {self.step_id}: {len(ids)} sampled ids for {len(self.samples)} sampling rows")
+        if self.logprob_rows:
+            have = {lp.row for lp in result.logprobs}
+            missing = [k for k in self.logprob_rows if k not in have]
+            if missing:
+                raise ValueError(f"step {self.step_id}: rows {missing} asked for logprobs and have none")
+        return ids
+
+    def plan(self, finished: list[int], preempted: list[int]) -> StepPlan:
+        return StepPlan(self.step_id, self.new_requests, self.rows, finished, preempted)

@@ -1,0 +1,79 @@
+"""SamplingParams, Request and SchedulerConfig validation: each bad field raises a ValueError naming it."""
+
+import math
+
+import pytest
+
+from scheduler.protocol import WorkerSampling
+from scheduler.request import MAX_LOGPROBS, Request, SamplingParams
+from scheduler.scheduler import SchedulerConfig
+
+BAD_PARAMS = [
+    ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 2.0), ("max_tokens", True), ("max_tokens", None),
+    ("min_tokens", -1), ("min_tokens", 17), ("min_tokens", 1.5),
+    ("temperature", -0.1), ("temperature", math.inf), ("temperature", math.nan), ("temperature", "1"),
+    ("top_k", -2), ("top_k", 1.0), ("top_k", False),
+    ("top_p", 0), ("top_p", 1.5), ("top_p", -0.2), ("top_p", "0.9"),
+    ("min_p", -0.01), ("min_p", 1.01), ("min_p", None),
+    ("seed", 1.5), ("seed", "7"),
+    ("stop", 5), ("stop", [""]), ("stop", ["ok", 3]),
+    ("stop_token_ids", "12"), ("stop_token_ids", [-1]), ("stop_token_ids", [1.0]), ("stop_token_ids", 5),
+    ("ignore_eos", 1), ("ignore_eos", "yes"),
+    ("logprobs", -1), ("logprobs", MAX_LOGPROBS + 1), ("logprobs", 2.0),
+    ("skip_special_tokens", None), ("skip_special_tokens", 0),
+]
+
+
+@pytest.mark.parametrize("field,value", BAD_PARAMS)
+def test_each_bad_sampling_param_raises_naming_the_field(field, value):
+    kwargs = {"max_tokens": 16, field: value}
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**kwargs)
+    assert field in str(e.value)
+    assert repr(value) in str(e.value) or str(value) in str(e.value)
+
+
+def test_top_p_message_reads_like_the_design():
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
+        SamplingParams(top_p=1.5)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {}, {"temperature": 0}, {"top_k": 0}, {"top_k": -1}, {"top_p": 1}, {"min_p": 0}, {"min_p": 1},
+    {"seed": 0}, {"seed": -5}, {"stop": "###"}, {"stop": None}, {"stop_token_ids": [1, 2]},
+    {"logprobs": 0}, {"logprobs": MAX_LOGPROBS}, {"min_tokens": 16},
+])
+def test_valid_sampling_params_construct(kwargs):
+    params = SamplingParams(max_tokens=16, **kwargs)
+    assert isinstance(params.stop, tuple) and isinstance(params.stop_token_ids, tuple)
+
+
+def test_min_tokens_becomes_a_position_ban_on_eos_and_stop_ids():
+    params = SamplingParams(min_tokens=3, stop_token_ids=[9])
+    ws = WorkerSampling.from_params(params, num_prompt_tokens=5, eos_token_ids=[1, 2])
+    assert ws.ban_until == 5 + 3 and set(ws.banned_ids) == {1, 2, 9}
+    ignoring = WorkerSampling.from_params(SamplingParams(min_tokens=3, ignore_eos=True), 5, [1, 2])
+    assert ignoring.ban_until == 0 and ignoring.banned_ids == ()  # nothing left to ban
+
+
+@pytest.mark.parametrize("prompt,field", [
+    ([], "prompt"), ([1, -1], "prompt_token_ids"), ([1, 2**31], "prompt_token_ids"), ([1, "a"], "prompt_token_ids"),
+])
+def test_bad_request_raises_naming_the_field(prompt, field):
+    with pytest.raises(ValueError, match=field):
+        Request("bad", prompt)
+
+
+def test_request_params_must_be_sampling_params():
+    with pytest.raises(ValueError, match="params"):
+        Request("bad", [1], params={"max_tokens": 3})
+
+
+@pytest.mark.parametrize("field,value", [
+    ("num_blocks", 0), ("num_blocks", 1.5), ("block_size", 0), ("max_num_seqs", 0), ("max_num_seqs", None),
+    ("max_num_batched_tokens", 0), ("max_model_len", 1), ("max_model_len", True), ("enable_prefix_caching", 1),
+])
+def test_bad_scheduler_config_raises_naming_the_field(field, value):
+    kwargs = {"num_blocks": 8, field: value}
+    with pytest.raises(ValueError, match=field):
+        SchedulerConfig(**kwargs)
