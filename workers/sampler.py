@@ -1,0 +1,338 @@
+"""Sampling on the worker's device, for a batch that mixes policies row by row.
+
+Rows are greedy (temperature 0) or random: temperature, then top-k, top-p and min-p (in
+that order; top-p sees the top-k-renormalized distribution, min-p compares each token's
+probability with the row's most likely one). Filters are value thresholds: ties at the
+cut are kept. Random rows sample by an exponential race, argmax(probs / E) with
+E ~ Exp(1) per token, computed as argmax(logits / T - log E) so no softmax is needed.
+Only a row with top-p sorts, and on the CPU only when its nucleus is not within the top
+TOP_P_CANDIDATES tokens; top-k uses topk.
+
+Randomness: unseeded rows share one batched draw from the Sampler's generator. A seeded
+row draws its own noise from a generator seeded by a stable mix of (seed, position), so
+its tokens do not depend on its batch companions, its row index, or preemption.
+
+Logprobs come from the model's raw distribution, log_softmax of the unmodified logits
+(no temperature, filters or min_tokens ban). Nothing here copies to the host except
+`row_logprobs` and `sample_host`; `__call__` never synchronizes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from scheduler.protocol import RowLogprobs, StepResult, WorkerSampling
+from workers.outputs import logits_tensor
+
+MAX_LOGPROBS = 20
+SAMPLING_EPS = 1e-5  # temperatures below this are treated as greedy (1/T would overflow)
+_MASK64 = (1 << 64) - 1
+TOP_P_CANDIDATES = 1024
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def row_seed(seed: int, position: int) -> int:
+    """The generator seed for a seeded row: a stable 63-bit mix of (seed, position)."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64)) >> 1
+
+
+def _check(sp: WorkerSampling, pos, i: int) -> None:
+    def bad(name, want, value):
+        return ValueError(f"row {i}: {name} must be {want}, got {value!r}")
+
+    def is_int(x):
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if not is_int(pos) or pos < 0:
+        raise bad("position", "an integer >= 0", pos)
+    t = sp.temperature
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        raise bad("temperature", "a finite number >= 0", t)
+    if not is_int(sp.top_k) or sp.top_k < -1:
+        raise bad("top_k", "an integer >= -1 (-1 or 0 disables)", sp.top_k)
+    if isinstance(sp.top_p, bool) or not isinstance(sp.top_p, (int, float)) or not 0 < sp.top_p <= 1:
+        raise bad("top_p", "in (0, 1]", sp.top_p)
+    if isinstance(sp.min_p, bool) or not isinstance(sp.min_p, (int, float)) or not 0 <= sp.min_p <= 1:
+        raise bad("min_p", "in [0, 1]", sp.min_p)
+    if sp.seed is not None and not is_int(sp.seed):
+        raise bad("seed", "an integer or None", sp.seed)
+    if sp.logprobs is not None and (not is_int(sp.logprobs) or not 0 <= sp.logprobs <= MAX_LOGPROBS):
+        raise bad("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", sp.logprobs)
+    if not all(is_int(t) and t >= 0 for t in sp.banned_ids):
+        raise bad("banned_ids", "non-negative integers", sp.banned_ids)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling policy, as device tensors. Index tensors are int64.
+
+    "Random rows" are the rows that are not greedy; their parameters are indexed by
+    position among the random rows ([R]). A `*_rows` tensor of None means "all of them".
+    """
+
+    size: int  # B
+    all_greedy: bool
+    greedy_idx: torch.Tensor | None = None  # [G] batch rows sampled by argmax (None: all or none)
+    random_idx: torch.Tensor | None = None  # [R] batch rows sampled at random (None: all or none)
+    num_random: int = 0
+    temperature: torch.Tensor | None = None  # [R] float32
+    top_k: torch.Tensor | None = None  # [K] int64, k of each top-k row
+    top_k_rows: torch.Tensor | None = None  # [K] positions among the random rows
+    top_k_max: int = 0
+    top_p: torch.Tensor | None = None  # [P] float32
+    top_p_rows: torch.Tensor | None = None  # [P]
+    log_min_p: torch.Tensor | None = None  # [M] float32, log(min_p)
+    min_p_rows: torch.Tensor | None = None  # [M]
+    seeded: list[tuple[int, int]] = field(default_factory=list)  # (position among random rows, seed)
+    any_unseeded: bool = False
+    ban_rows: torch.Tensor | None = None  # [N] with ban_ids: (row, id) pairs masked to -inf
+    ban_ids: torch.Tensor | None = None  # [N]
+    max_banned_id: int = -1
+    logprob_rows: list[int] = field(default_factory=list)  # batch rows that asked, ascending
+    logprob_n: list[int] = field(default_factory=list)  # top-n each of those rows asked for
+    logprob_idx: torch.Tensor | None = None  # [L] = logprob_rows, None when every row asked
+    max_logprobs: int = 0  # n_max over the rows that asked
+
+    @classmethod
+    def build(cls, params: list[WorkerSampling], positions: list[int], device: torch.device) -> "SamplingBatch":
+        """positions[i] is the sequence position of the token row i samples."""
+        if len(params) != len(positions):
+            raise ValueError(f"got {len(params)} sampling params but {len(positions)} positions")
+        greedy, rand, temps = [], [], []
+        k_rows, ks, p_rows, ps, m_rows, ms = [], [], [], [], [], []
+        seeded, any_unseeded, ban_r, ban_c, lp_rows, lp_n = [], False, [], [], [], []
+        for i, (sp, pos) in enumerate(zip(params, positions)):
+            _check(sp, pos, i)
+            if sp.banned_ids and pos < sp.ban_until:
+                ban_r += [i] * len(sp.banned_ids)
+                ban_c += sp.banned_ids
+            if sp.logprobs is not None:
+                lp_rows.append(i)
+                lp_n.append(sp.logprobs)
+            if sp.temperature < SAMPLING_EPS:
+                greedy.append(i)
+                continue
+            j = len(rand)
+            rand.append(i)
+            temps.append(float(sp.temperature))
+            if sp.top_k > 0:
+                k_rows.append(j)
+                ks.append(sp.top_k)
+            if sp.top_p < 1:
+                p_rows.append(j)
+                ps.append(float(sp.top_p))
+            if sp.min_p > 0:
+                m_rows.append(j)
+                ms.append(math.log(sp.min_p))
+            if sp.seed is None:
+                any_unseeded = True
+            else:
+                seeded.append((j, row_seed(sp.seed, pos)))
+        B, R = len(params), len(rand)
+
+        def some(rows, total):  # an index list, or None when it covers every row (or none)
+            return None if len(rows) == total else rows
+
+        # Two host->device copies in all: one int64 pack and one float32 pack.
+        mixed = bool(greedy) and bool(rand)
+        ints = [greedy if mixed else None, rand if mixed else None,
+                ks or None, some(k_rows, R) if ks else None, some(p_rows, R) if ps else None,
+                some(m_rows, R) if ms else None, ban_r or None, ban_c or None, some(lp_rows, B)]
+        floats = [temps or None, ps or None, ms or None]
+        i_dev = _split(ints, torch.int64, device)
+        f_dev = _split(floats, torch.float32, device)
+        return cls(
+            size=B, all_greedy=R == 0,
+            greedy_idx=i_dev[0], random_idx=i_dev[1], num_random=R, temperature=f_dev[0],
+            top_k=i_dev[2], top_k_rows=i_dev[3], top_k_max=max(ks, default=0),
+            top_p=f_dev[1], top_p_rows=i_dev[4], log_min_p=f_dev[2], min_p_rows=i_dev[5],
+            seeded=seeded, any_unseeded=any_unseeded,
+            ban_rows=i_dev[6], ban_ids=i_dev[7], max_banned_id=max(ban_c, default=-1),
+            logprob_rows=lp_rows, logprob_n=lp_n, logprob_idx=i_dev[8] if lp_rows else None,
+            max_logprobs=max(lp_n, default=0),
+        )
+
+
+def _split(parts: list[list | None], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor | None]:
+    """Copy the non-None lists to `device` as one tensor; return a view per list (None kept)."""
+    present = [p for p in parts if p is not None]
+    if not present:
+        return [None] * len(parts)
+    flat = torch.tensor([x for p in present for x in p], dtype=dtype).to(device)
+    views = iter(torch.split(flat, [len(p) for p in present]))
+    return [None if p is None else next(views) for p in parts]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int32, on the logits' device
+    sampled_logprobs: torch.Tensor | None = None  # [B] float32 (NaN in rows that did not ask)
+    top_ids: torch.Tensor | None = None  # [B, n_max] int32 (-1 in rows that did not ask)
+    top_logprobs: torch.Tensor | None = None  # [B, n_max] float32 (NaN in rows that did not ask)
+
+
+def _fold(thr: torch.Tensor, rows: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
+    """thr[rows] = max(thr[rows], values); rows None means every row."""
+    if rows is None:
+        return torch.maximum(thr, values)
+    return thr.index_copy(0, rows, torch.maximum(thr.index_select(0, rows), values))
+
+
+def _subset(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return x if rows is None else x.index_select(0, rows)
+
+
+def _nucleus_cut(vals: torch.Tensor, lse: torch.Tensor, top_p: torch.Tensor):
+    """vals [P, n] a prefix of each row's scores sorted descending, lse [P, 1] the rows'
+    logsumexp -> (cut [P], complete [P] bool: the prefix holds the whole nucleus)."""
+    probs = (vals - lse).exp()
+    cum = probs.cumsum(dim=-1)
+    before = cum - probs  # mass of the strictly more likely tokens
+    n_keep = (before < top_p[:, None]).sum(dim=-1).clamp(min=1)  # [P]
+    return vals.gather(1, (n_keep - 1)[:, None]).squeeze(1), cum[:, -1] >= top_p
+
+
+class Sampler:
+    """Samples token ids on `device`; owns the generator for unseeded random rows."""
+
+    def __init__(self, device: torch.device, seed: int = 0):
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self._row_generator = torch.Generator(device=self.device)  # reseeded for each seeded row
+        # top-p candidates tried before a full sort; 0 always sorts (accelerators: sort is cheap
+        # there, and the fallback's decision would sync the host)
+        self.top_p_candidates = TOP_P_CANDIDATES if self.device.type == "cpu" else 0
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """logits [B, V] (float32; not modified). Returns ids [B] int32 on logits.device."""
+        if logits.dim() != 2 or logits.shape[0] != batch.size:
+            raise ValueError(f"logits must be [{batch.size}, vocab], got shape {tuple(logits.shape)}")
+        V = logits.shape[1]
+        if V == 0:
+            raise ValueError("logits have an empty vocab dimension")
+        if batch.max_banned_id >= V:
+            raise ValueError(f"banned id {batch.max_banned_id} is outside the vocab of {V}")
+        x = logits if logits.dtype == torch.float32 else logits.float()
+        if batch.ban_rows is not None:
+            x = x.clone()  # [B, V]; the caller's logits stay unmodified
+            x.index_put_((batch.ban_rows, batch.ban_ids), torch.tensor(float("-inf"), device=x.device))
+        if batch.all_greedy:
+            ids = x.argmax(dim=-1)  # [B]
+        elif batch.num_random == batch.size:
+            ids = self._sample_random(x, batch, owned=x is not logits)
+        else:
+            ids = torch.empty(batch.size, dtype=torch.int64, device=x.device)
+            ids.index_copy_(0, batch.greedy_idx, x.index_select(0, batch.greedy_idx).argmax(dim=-1))
+            rand = self._sample_random(x.index_select(0, batch.random_idx), batch, owned=True)
+            ids.index_copy_(0, batch.random_idx, rand)
+        out = SamplerOutput(token_ids=ids.to(torch.int32))
+        if batch.logprob_rows:
+            self._logprobs(logits, ids, batch, out)
+        return out
+
+    def _sample_random(self, x: torch.Tensor, b: SamplingBatch, owned: bool) -> torch.Tensor:
+        """x [R, V] (the random rows; overwritten only if `owned`) -> sampled ids [R] int64."""
+        R, V = x.shape
+        t = b.temperature[:, None]
+        scores = x.div_(t) if owned else x / t  # [R, V], ours to modify in place below
+        thr = torch.full((R,), float("-inf"), device=x.device)  # [R] tokens below are filtered out
+        if b.top_k is not None:
+            k_max = min(b.top_k_max, V)
+            kth = _subset(scores, b.top_k_rows).topk(k_max, dim=-1).values  # [K, k_max], descending
+            k = b.top_k.clamp(max=k_max) - 1
+            thr = _fold(thr, b.top_k_rows, kth.gather(1, k[:, None]).squeeze(1))
+        if b.top_p is not None:
+            if b.top_k is not None:  # top-p sees the distribution after top-k
+                scores.masked_fill_(scores < thr[:, None], float("-inf"))
+            thr = _fold(thr, b.top_p_rows, self._top_p_cut(_subset(scores, b.top_p_rows), b.top_p))
+        if b.log_min_p is not None:  # p >= min_p * p_max  <=>  score >= max score + log(min_p)
+            thr = _fold(thr, b.min_p_rows, _subset(scores, b.min_p_rows).amax(dim=-1) + b.log_min_p)
+        if b.top_k is not None or b.top_p is not None or b.log_min_p is not None:
+            scores.masked_fill_(scores < thr[:, None], float("-inf"))
+        # Exponential race: E = -log(U), U ~ U[0, 1); argmax(p / E) = argmax(scores - log E).
+        # (uniform_ + log is ~3x faster than exponential_ on the CPU and the same elsewhere.)
+        noise = torch.empty_like(scores)  # [R, V]
+        if b.any_unseeded:
+            noise.uniform_(generator=self.generator)
+        for j, seed in b.seeded:
+            self._row_generator.manual_seed(seed)
+            noise[j].uniform_(generator=self._row_generator)
+        noise.log_().neg_().clamp_min_(_TINY).log_()  # E = 0 must not turn a masked -inf into NaN
+        return scores.sub_(noise).argmax(dim=-1)
+
+    def _top_p_cut(self, scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        """scores [P, V], top_p [P] -> [P] the lowest score inside each row's nucleus.
+
+        On the CPU, rows whose nucleus lies within the top `top_p_candidates` tokens skip
+        the full sort (deciding that syncs, which only the CPU affords for free). Both
+        ways compute the same cut from the same prefix sums.
+        """
+        lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # [P, 1]
+        n = self.top_p_candidates
+        if not 0 < n < scores.shape[1]:
+            return _nucleus_cut(scores.sort(dim=-1, descending=True).values, lse, top_p)[0]
+        cut, done = _nucleus_cut(scores.topk(n, dim=-1).values, lse, top_p)
+        if bool(done.all()):
+            return cut
+        rest = (~done).nonzero().squeeze(1)
+        vals = scores.index_select(0, rest).sort(dim=-1, descending=True).values
+        return cut.index_copy(0, rest, _nucleus_cut(vals, lse[rest], top_p[rest])[0])
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, ids: torch.Tensor, b: SamplingBatch, out: SamplerOutput) -> None:
+        """Raw-distribution logprobs for the rows that asked, scattered into [B] / [B, n_max]."""
+        lp = torch.log_softmax(_subset(logits, b.logprob_idx).float(), dim=-1)  # [L, V]
+        sampled = lp.gather(1, _subset(ids, b.logprob_idx)[:, None]).squeeze(1)  # [L]
+        n = min(b.max_logprobs, lp.shape[1])
+        top_lp, top_ids = lp.topk(n, dim=-1) if n else (lp[:, :0], lp[:, :0].long())
+        top_ids = top_ids.to(torch.int32)
+        if b.logprob_idx is not None:
+            B, dev = b.size, logits.device
+            sampled = torch.full((B,), float("nan"), device=dev).index_copy_(0, b.logprob_idx, sampled)
+            top_lp = torch.full((B, n), float("nan"), device=dev).index_copy_(0, b.logprob_idx, top_lp)
+            top_ids = torch.full((B, n), -1, dtype=torch.int32, device=dev).index_copy_(0, b.logprob_idx, top_ids)
+        out.sampled_logprobs, out.top_ids, out.top_logprobs = sampled, top_ids, top_lp
+
+
+def row_logprobs(out: SamplerOutput, batch: SamplingBatch) -> list[RowLogprobs]:
+    """Host copy of the logprobs of the rows that asked (RowLogprobs.row = batch row)."""
+    if not batch.logprob_rows:
+        return []
+    idx = batch.logprob_idx
+    sampled = _subset(out.sampled_logprobs, idx).cpu().tolist()
+    top_ids = _subset(out.top_ids, idx).cpu().tolist()
+    top_lp = _subset(out.top_logprobs, idx).cpu().tolist()
+    return [
+        RowLogprobs(row=row, sampled=s, top_ids=ti[:n], top_logprobs=tl[:n])
+        for row, n, s, ti, tl in zip(batch.logprob_rows, batch.logprob_n, sampled, top_ids, top_lp)
+    ]
+
+
+def sample_host(
+    result: StepResult, rows: list[tuple[WorkerSampling, int]], sampler: Sampler
+) -> tuple[list[int], list[RowLogprobs]]:
+    """The driver's path in host-logits mode: sample `result`'s logits on the CPU.
+
+    rows[i] = (sampling params, sampled position) of the result's row i.
+    """
+    logits = logits_tensor(result)  # [rows, vocab] float32 on the CPU
+    if logits.shape[1] == 0:
+        raise ValueError("result was sampled on the device; it carries no logits to sample")
+    if len(rows) != logits.shape[0]:
+        raise ValueError(f"result has {logits.shape[0]} logits rows but {len(rows)} rows were given")
+    if sampler.device.type != "cpu":
+        raise ValueError(f"sample_host needs a CPU sampler, got one on {sampler.device}")
+    batch = SamplingBatch.build([p for p, _ in rows], [pos for _, pos in rows], sampler.device)
+    out = sampler(logits, batch)
+    return out.token_ids.tolist(), row_logprobs(out, batch)
