@@ -39,6 +39,7 @@ class PlanDriver:
         self.running: list[Req] = []
         self.finished: list[int] = []
         self.step_id = 0
+        self.plans: list[StepPlan] = []
         self.results: list[StepResult] = []
 
     def add(self, prompt: list[int], sampling: WorkerSampling | None = None, *,
@@ -85,7 +86,9 @@ class PlanDriver:
 
     def step(self, ids_from_logits=None) -> StepResult:
         """Run one plan; sampled ids come from the result, or from `ids_from_logits(result)`."""
-        result = self.runner.execute(self.plan())
+        plan = self.plan()
+        result = self.runner.execute(plan)
+        self.plans.append(plan)
         self.results.append(result)
         ids = ids_from_logits(result) if ids_from_logits else result.sampled_ids()
         by_slot = {r.slot: r for r in self.running}
