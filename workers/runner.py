@@ -10,6 +10,7 @@ With device outputs off it returns the logits instead, trimmed to the real vocab
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -74,6 +75,7 @@ class RunnerConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
 
+@functools.lru_cache(maxsize=8)
 def _tokenizer_size(path: str) -> int | None:
     try:
         return len(load_tokenizer(path))
