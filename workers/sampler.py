@@ -14,7 +14,7 @@ its tokens do not depend on its batch companions, its row index, or preemption.
 
 Logprobs come from the model's raw distribution, log_softmax of the unmodified logits
 (no temperature, filters or min_tokens ban). Nothing here copies to the host except
-`row_logprobs` and `sample_host`; `__call__` never synchronizes.
+`row_logprobs` and `sample_host`; on accelerators `__call__` never waits for the device.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 import torch
 
 from scheduler.protocol import RowLogprobs, StepResult, WorkerSampling
-from workers.outputs import logits_tensor
+from workers.outputs import ResidentOutputs, logits_tensor
 
 MAX_LOGPROBS = 20
 SAMPLING_EPS = 1e-5  # temperatures below this are treated as greedy (1/T would overflow)
-_MASK64 = (1 << 64) - 1
-TOP_P_CANDIDATES = 1024
+TOP_P_CANDIDATES = 1024  # CPU: top-p first looks for the nucleus among this many tokens
 _TINY = torch.finfo(torch.float32).tiny
+_MASK64 = (1 << 64) - 1
 
 
 def _splitmix64(x: int) -> int:
@@ -46,30 +46,30 @@ def row_seed(seed: int, position: int) -> int:
     return _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64)) >> 1
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _in(x, lo: float, hi: float, lo_open: bool = False) -> bool:
+    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    return ok and (lo < x if lo_open else lo <= x) and x <= hi
+
+
 def _check(sp: WorkerSampling, pos, i: int) -> None:
-    def bad(name, want, value):
-        return ValueError(f"row {i}: {name} must be {want}, got {value!r}")
-
-    def is_int(x):
-        return isinstance(x, int) and not isinstance(x, bool)
-
-    if not is_int(pos) or pos < 0:
-        raise bad("position", "an integer >= 0", pos)
-    t = sp.temperature
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-        raise bad("temperature", "a finite number >= 0", t)
-    if not is_int(sp.top_k) or sp.top_k < -1:
-        raise bad("top_k", "an integer >= -1 (-1 or 0 disables)", sp.top_k)
-    if isinstance(sp.top_p, bool) or not isinstance(sp.top_p, (int, float)) or not 0 < sp.top_p <= 1:
-        raise bad("top_p", "in (0, 1]", sp.top_p)
-    if isinstance(sp.min_p, bool) or not isinstance(sp.min_p, (int, float)) or not 0 <= sp.min_p <= 1:
-        raise bad("min_p", "in [0, 1]", sp.min_p)
-    if sp.seed is not None and not is_int(sp.seed):
-        raise bad("seed", "an integer or None", sp.seed)
-    if sp.logprobs is not None and (not is_int(sp.logprobs) or not 0 <= sp.logprobs <= MAX_LOGPROBS):
-        raise bad("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", sp.logprobs)
-    if not all(is_int(t) and t >= 0 for t in sp.banned_ids):
-        raise bad("banned_ids", "non-negative integers", sp.banned_ids)
+    """ValueError naming the row and field for a parameter out of its range."""
+    for name, value, ok, want in [
+        ("position", pos, _is_int(pos) and pos >= 0, "an integer >= 0"),
+        ("temperature", sp.temperature, _in(sp.temperature, 0, math.inf), "a finite number >= 0"),
+        ("top_k", sp.top_k, _is_int(sp.top_k) and sp.top_k >= -1, "an integer >= -1 (-1 or 0 disables)"),
+        ("top_p", sp.top_p, _in(sp.top_p, 0, 1, lo_open=True), "in (0, 1]"),
+        ("min_p", sp.min_p, _in(sp.min_p, 0, 1), "in [0, 1]"),
+        ("seed", sp.seed, sp.seed is None or _is_int(sp.seed), "an integer or None"),
+        ("logprobs", sp.logprobs, sp.logprobs is None or (_is_int(sp.logprobs) and 0 <= sp.logprobs <= MAX_LOGPROBS),
+         f"None or an integer in [0, {MAX_LOGPROBS}]"),
+        ("banned_ids", sp.banned_ids, all(_is_int(t) and t >= 0 for t in sp.banned_ids), "non-negative integers"),
+    ]:
+        if not ok:
+            raise ValueError(f"row {i}: {name} must be {want}, got {value!r}")
 
 
 @dataclass
@@ -82,7 +82,6 @@ class SamplingBatch:
 
     size: int  # B
     all_greedy: bool
-    greedy_idx: torch.Tensor | None = None  # [G] batch rows sampled by argmax (None: all or none)
     random_idx: torch.Tensor | None = None  # [R] batch rows sampled at random (None: all or none)
     num_random: int = 0
     temperature: torch.Tensor | None = None  # [R] float32
@@ -106,6 +105,7 @@ class SamplingBatch:
     @classmethod
     def build(cls, params: list[WorkerSampling], positions: list[int], device: torch.device) -> "SamplingBatch":
         """positions[i] is the sequence position of the token row i samples."""
+        device = torch.device(device)
         if len(params) != len(positions):
             raise ValueError(f"got {len(params)} sampling params but {len(positions)} positions")
         greedy, rand, temps = [], [], []
@@ -144,8 +144,7 @@ class SamplingBatch:
             return None if len(rows) == total else rows
 
         # Two host->device copies in all: one int64 pack and one float32 pack.
-        mixed = bool(greedy) and bool(rand)
-        ints = [greedy if mixed else None, rand if mixed else None,
+        ints = [rand if greedy and rand else None,
                 ks or None, some(k_rows, R) if ks else None, some(p_rows, R) if ps else None,
                 some(m_rows, R) if ms else None, ban_r or None, ban_c or None, some(lp_rows, B)]
         floats = [temps or None, ps or None, ms or None]
@@ -153,12 +152,12 @@ class SamplingBatch:
         f_dev = _split(floats, torch.float32, device)
         return cls(
             size=B, all_greedy=R == 0,
-            greedy_idx=i_dev[0], random_idx=i_dev[1], num_random=R, temperature=f_dev[0],
-            top_k=i_dev[2], top_k_rows=i_dev[3], top_k_max=max(ks, default=0),
-            top_p=f_dev[1], top_p_rows=i_dev[4], log_min_p=f_dev[2], min_p_rows=i_dev[5],
+            random_idx=i_dev[0], num_random=R, temperature=f_dev[0],
+            top_k=i_dev[1], top_k_rows=i_dev[2], top_k_max=max(ks, default=0),
+            top_p=f_dev[1], top_p_rows=i_dev[3], log_min_p=f_dev[2], min_p_rows=i_dev[4],
             seeded=seeded, any_unseeded=any_unseeded,
-            ban_rows=i_dev[6], ban_ids=i_dev[7], max_banned_id=max(ban_c, default=-1),
-            logprob_rows=lp_rows, logprob_n=lp_n, logprob_idx=i_dev[8] if lp_rows else None,
+            ban_rows=i_dev[5], ban_ids=i_dev[6], max_banned_id=max(ban_c, default=-1),
+            logprob_rows=lp_rows, logprob_n=lp_n, logprob_idx=i_dev[7] if lp_rows else None,
             max_logprobs=max(lp_n, default=0),
         )
 
@@ -168,7 +167,9 @@ def _split(parts: list[list | None], dtype: torch.dtype, device: torch.device) -
     present = [p for p in parts if p is not None]
     if not present:
         return [None] * len(parts)
-    flat = torch.tensor([x for p in present for x in p], dtype=dtype).to(device)
+    flat = torch.tensor([x for p in present for x in p], dtype=dtype)
+    # CUDA: pinned + non_blocking, so the copy does not wait for the queued forward
+    flat = flat.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flat.to(device)
     views = iter(torch.split(flat, [len(p) for p in present]))
     return [None if p is None else next(views) for p in parts]
 
@@ -203,49 +204,59 @@ def _nucleus_cut(vals: torch.Tensor, lse: torch.Tensor, top_p: torch.Tensor):
 
 
 class Sampler:
-    """Samples token ids on `device`; owns the generator for unseeded random rows."""
+    """Samples token ids on `device`; owns the generator for unseeded random rows.
 
-    def __init__(self, device: torch.device, seed: int = 0):
+    Its [rows, V] scratch (scaled scores, noise, banned logits) comes from `buffers`
+    (bucketed, reused every step; a private ResidentOutputs when not given), so the
+    per-step loop allocates only small tensors.
+    """
+
+    def __init__(self, device: torch.device, seed: int = 0, buffers: ResidentOutputs | None = None):
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self._row_generator = torch.Generator(device=self.device)  # reseeded for each seeded row
+        self.buffers = buffers if buffers is not None else ResidentOutputs(self.device)
+        self._neg_inf = torch.full((), float("-inf"), device=self.device)
         # top-p candidates tried before a full sort; 0 always sorts (accelerators: sort is cheap
         # there, and the fallback's decision would sync the host)
         self.top_p_candidates = TOP_P_CANDIDATES if self.device.type == "cpu" else 0
+
+    def _scratch(self, name: str, rows: int, vocab: int) -> torch.Tensor:
+        return self.buffers.get_rows(f"sampler_{name}", rows, (vocab,), torch.float32)  # [rows, V]
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits [B, V] (float32; not modified). Returns ids [B] int32 on logits.device."""
         if logits.dim() != 2 or logits.shape[0] != batch.size:
             raise ValueError(f"logits must be [{batch.size}, vocab], got shape {tuple(logits.shape)}")
-        V = logits.shape[1]
+        B, V = logits.shape
         if V == 0:
             raise ValueError("logits have an empty vocab dimension")
         if batch.max_banned_id >= V:
             raise ValueError(f"banned id {batch.max_banned_id} is outside the vocab of {V}")
         x = logits if logits.dtype == torch.float32 else logits.float()
-        if batch.ban_rows is not None:
-            x = x.clone()  # [B, V]; the caller's logits stay unmodified
-            x.index_put_((batch.ban_rows, batch.ban_ids), torch.tensor(float("-inf"), device=x.device))
+        if batch.ban_rows is not None:  # on a copy: the caller's logits stay unmodified
+            x = self._scratch("banned", B, V).copy_(x)
+            x.index_put_((batch.ban_rows, batch.ban_ids), self._neg_inf)
         if batch.all_greedy:
             ids = x.argmax(dim=-1)  # [B]
-        elif batch.num_random == batch.size:
-            ids = self._sample_random(x, batch, owned=x is not logits)
-        else:
-            ids = torch.empty(batch.size, dtype=torch.int64, device=x.device)
-            ids.index_copy_(0, batch.greedy_idx, x.index_select(0, batch.greedy_idx).argmax(dim=-1))
-            rand = self._sample_random(x.index_select(0, batch.random_idx), batch, owned=True)
-            ids.index_copy_(0, batch.random_idx, rand)
+        elif batch.num_random == B:
+            ids = self._sample_random(x, None, batch)
+        else:  # argmax over every row is one cheap pass; random rows then overwrite theirs
+            ids = x.argmax(dim=-1).index_copy_(0, batch.random_idx, self._sample_random(x, batch.random_idx, batch))
         out = SamplerOutput(token_ids=ids.to(torch.int32))
         if batch.logprob_rows:
             self._logprobs(logits, ids, batch, out)
         return out
 
-    def _sample_random(self, x: torch.Tensor, b: SamplingBatch, owned: bool) -> torch.Tensor:
-        """x [R, V] (the random rows; overwritten only if `owned`) -> sampled ids [R] int64."""
-        R, V = x.shape
-        t = b.temperature[:, None]
-        scores = x.div_(t) if owned else x / t  # [R, V], ours to modify in place below
+    def _sample_random(self, x: torch.Tensor, rows: torch.Tensor | None, b: SamplingBatch) -> torch.Tensor:
+        """x [B, V] (not modified), rows [R] the random rows (None: all) -> ids [R] int64."""
+        R, V = b.num_random, x.shape[1]
+        scores = self._scratch("scores", R, V)  # [R, V]
+        if rows is None:
+            torch.div(x, b.temperature[:, None], out=scores)
+        else:
+            torch.index_select(x, 0, rows, out=scores).div_(b.temperature[:, None])
         thr = torch.full((R,), float("-inf"), device=x.device)  # [R] tokens below are filtered out
         if b.top_k is not None:
             k_max = min(b.top_k_max, V)
@@ -254,15 +265,15 @@ class Sampler:
             thr = _fold(thr, b.top_k_rows, kth.gather(1, k[:, None]).squeeze(1))
         if b.top_p is not None:
             if b.top_k is not None:  # top-p sees the distribution after top-k
-                scores.masked_fill_(scores < thr[:, None], float("-inf"))
+                self._filter(scores, thr)
             thr = _fold(thr, b.top_p_rows, self._top_p_cut(_subset(scores, b.top_p_rows), b.top_p))
         if b.log_min_p is not None:  # p >= min_p * p_max  <=>  score >= max score + log(min_p)
             thr = _fold(thr, b.min_p_rows, _subset(scores, b.min_p_rows).amax(dim=-1) + b.log_min_p)
         if b.top_k is not None or b.top_p is not None or b.log_min_p is not None:
-            scores.masked_fill_(scores < thr[:, None], float("-inf"))
+            self._filter(scores, thr)
         # Exponential race: E = -log(U), U ~ U[0, 1); argmax(p / E) = argmax(scores - log E).
         # (uniform_ + log is ~3x faster than exponential_ on the CPU and the same elsewhere.)
-        noise = torch.empty_like(scores)  # [R, V]
+        noise = self._scratch("noise", R, V)  # [R, V]
         if b.any_unseeded:
             noise.uniform_(generator=self.generator)
         for j, seed in b.seeded:
@@ -270,6 +281,14 @@ class Sampler:
             noise[j].uniform_(generator=self._row_generator)
         noise.log_().neg_().clamp_min_(_TINY).log_()  # E = 0 must not turn a masked -inf into NaN
         return scores.sub_(noise).argmax(dim=-1)
+
+    def _filter(self, scores: torch.Tensor, thr: torch.Tensor) -> None:
+        """scores [R, V] in place: -inf below each row's threshold thr [R]."""
+        torch.where(scores >= thr[:, None], scores, self._neg_inf, out=scores)  # faster than masked_fill_
+
+    def close(self) -> None:
+        """Free the scratch buffers (those of a shared `buffers` too)."""
+        self.buffers.close()
 
     def _top_p_cut(self, scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         """scores [P, V], top_p [P] -> [P] the lowest score inside each row's nucleus.
