@@ -90,6 +90,7 @@ class SamplingBatch:
     top_k_max: int = 0
     top_p: torch.Tensor | None = None  # [P] float32
     top_p_rows: torch.Tensor | None = None  # [P]
+    top_p_prefix: int = 0  # when every top-p row has top-k: the largest such k (its nucleus is in there)
     log_min_p: torch.Tensor | None = None  # [M] float32, log(min_p)
     min_p_rows: torch.Tensor | None = None  # [M]
     seeded: list[tuple[int, int]] = field(default_factory=list)  # (position among random rows, seed)
@@ -109,7 +110,7 @@ class SamplingBatch:
         if len(params) != len(positions):
             raise ValueError(f"got {len(params)} sampling params but {len(positions)} positions")
         greedy, rand, temps = [], [], []
-        k_rows, ks, p_rows, ps, m_rows, ms = [], [], [], [], [], []
+        k_rows, ks, p_rows, ps, pk, m_rows, ms = [], [], [], [], [], [], []
         seeded, any_unseeded, ban_r, ban_c, lp_rows, lp_n = [], False, [], [], [], []
         for i, (sp, pos) in enumerate(zip(params, positions)):
             _check(sp, pos, i)
@@ -131,6 +132,7 @@ class SamplingBatch:
             if sp.top_p < 1:
                 p_rows.append(j)
                 ps.append(float(sp.top_p))
+                pk.append(sp.top_k)
             if sp.min_p > 0:
                 m_rows.append(j)
                 ms.append(math.log(sp.min_p))
@@ -154,7 +156,7 @@ class SamplingBatch:
             size=B, all_greedy=R == 0,
             random_idx=i_dev[0], num_random=R, temperature=f_dev[0],
             top_k=i_dev[1], top_k_rows=i_dev[2], top_k_max=max(ks, default=0),
-            top_p=f_dev[1], top_p_rows=i_dev[3], log_min_p=f_dev[2], min_p_rows=i_dev[4],
+            top_p=f_dev[1], top_p_rows=i_dev[3], top_p_prefix=max(pk) if pk and min(pk) > 0 else 0, log_min_p=f_dev[2], min_p_rows=i_dev[4],
             seeded=seeded, any_unseeded=any_unseeded,
             ban_rows=i_dev[5], ban_ids=i_dev[6], max_banned_id=max(ban_c, default=-1),
             logprob_rows=lp_rows, logprob_n=lp_n, logprob_idx=i_dev[7] if lp_rows else None,
@@ -193,10 +195,12 @@ def _subset(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return x if rows is None else x.index_select(0, rows)
 
 
-def _nucleus_cut(vals: torch.Tensor, lse: torch.Tensor, top_p: torch.Tensor):
-    """vals [P, n] a prefix of each row's scores sorted descending, lse [P, 1] the rows'
-    logsumexp -> (cut [P], complete [P] bool: the prefix holds the whole nucleus)."""
-    probs = (vals - lse).exp()
+def _nucleus_cut(vals: torch.Tensor, peak: torch.Tensor, total: torch.Tensor, top_p: torch.Tensor):
+    """vals [P, n] a prefix of each row's scores sorted descending; peak [P, 1] the rows'
+    max, total [P, 1] their sum of exp(score - peak) -> (cut [P], complete [P] bool: the
+    prefix holds the whole nucleus). Only `total`'s rounding may vary with the batch (the
+    reduction order), which can move the cut only where a prefix sum ties top_p to ~1e-7."""
+    probs = (vals - peak).exp_().div_(total)
     cum = probs.cumsum(dim=-1)
     before = cum - probs  # mass of the strictly more likely tokens
     n_keep = (before < top_p[:, None]).sum(dim=-1).clamp(min=1)  # [P]
@@ -266,7 +270,8 @@ class Sampler:
         if b.top_p is not None:
             if b.top_k is not None:  # top-p sees the distribution after top-k
                 self._filter(scores, thr)
-            thr = _fold(thr, b.top_p_rows, self._top_p_cut(_subset(scores, b.top_p_rows), b.top_p))
+            cut = self._top_p_cut(_subset(scores, b.top_p_rows), b.top_p, min(b.top_p_prefix, V))
+            thr = _fold(thr, b.top_p_rows, cut)
         if b.log_min_p is not None:  # p >= min_p * p_max  <=>  score >= max score + log(min_p)
             thr = _fold(thr, b.min_p_rows, _subset(scores, b.min_p_rows).amax(dim=-1) + b.log_min_p)
         if b.top_k is not None or b.top_p is not None or b.log_min_p is not None:
@@ -290,23 +295,25 @@ class Sampler:
         """Free the scratch buffers (those of a shared `buffers` too)."""
         self.buffers.close()
 
-    def _top_p_cut(self, scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-        """scores [P, V], top_p [P] -> [P] the lowest score inside each row's nucleus.
+    def _top_p_cut(self, scores: torch.Tensor, top_p: torch.Tensor, prefix: int) -> torch.Tensor:
+        """scores [P, V] (top-k applied), top_p [P] -> [P] the lowest score in each nucleus.
 
-        On the CPU, rows whose nucleus lies within the top `top_p_candidates` tokens skip
-        the full sort (deciding that syncs, which only the CPU affords for free). Both
-        ways compute the same cut from the same prefix sums.
+        With `prefix` (every row has top-k <= prefix) the nucleus lies among the top
+        `prefix` scores: topk, no sort. Otherwise, on the CPU, rows whose nucleus lies in
+        the top `top_p_candidates` skip the full sort (deciding that syncs, which only the
+        CPU gets for free). Every way computes the same cut from the same prefix sums.
         """
-        lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # [P, 1]
-        n = self.top_p_candidates
+        peak = scores.amax(dim=-1, keepdim=True)  # [P, 1]
+        total = (scores - peak).exp_().sum(dim=-1, keepdim=True)  # [P, 1]
+        n = prefix or self.top_p_candidates
         if not 0 < n < scores.shape[1]:
-            return _nucleus_cut(scores.sort(dim=-1, descending=True).values, lse, top_p)[0]
-        cut, done = _nucleus_cut(scores.topk(n, dim=-1).values, lse, top_p)
-        if bool(done.all()):
+            return _nucleus_cut(scores.sort(dim=-1, descending=True).values, peak, total, top_p)[0]
+        cut, done = _nucleus_cut(scores.topk(n, dim=-1).values, peak, total, top_p)
+        if prefix or bool(done.all()):  # a prefix holding all finite scores is never short
             return cut
         rest = (~done).nonzero().squeeze(1)
         vals = scores.index_select(0, rest).sort(dim=-1, descending=True).values
-        return cut.index_copy(0, rest, _nucleus_cut(vals, lse[rest], top_p[rest])[0])
+        return cut.index_copy(0, rest, _nucleus_cut(vals, peak[rest], total[rest], top_p[rest])[0])
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, ids: torch.Tensor, b: SamplingBatch, out: SamplerOutput) -> None:
