@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from scheduler.protocol import StepResult, WorkerSampling as W
-from workers.outputs import encode_logits
+from workers.outputs import ResidentOutputs, encode_logits
 from workers.sampler import Sampler, SamplingBatch, row_logprobs, sample_host
 
 DEVICES = [
@@ -300,3 +300,24 @@ def test_sample_host_decodes_and_samples_like_the_device_path():
         sample_host(StepResult(step_id=2, slots=[0], logits_shape=(1, 0)), rows[:1], Sampler(torch.device("cpu")))
     with pytest.raises(ValueError, match="rows"):
         sample_host(result, rows[:2], Sampler(torch.device("cpu")))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scratch_buffers_are_reused_across_steps(device):
+    dev = torch.device(device)
+    shared = ResidentOutputs(dev)
+    sampler = Sampler(dev, buffers=shared)
+    params = [W(temperature=0.9, top_p=0.8), W(), W(temperature=1.0, ban_until=5, banned_ids=(1,))]
+    for step in range(6):
+        rows = 1 + step % 3  # batch sizes within one bucket
+        sample(device, torch.randn(rows, 100), params[:rows], sampler=sampler)
+        if step == 2:
+            allocated = shared.num_allocations
+    assert allocated > 0 and shared.num_allocations == allocated
+    sampler.close()  # a shared cache is its owner's to close
+    assert len(shared) > 0
+    own = Sampler(dev)
+    sample(device, torch.randn(2, 100), [W(temperature=1.0)] * 2, sampler=own)
+    assert len(own.buffers) > 0
+    own.close()
+    assert len(own.buffers) == 0

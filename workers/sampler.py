@@ -210,9 +210,9 @@ def _nucleus_cut(vals: torch.Tensor, peak: torch.Tensor, total: torch.Tensor, to
 class Sampler:
     """Samples token ids on `device`; owns the generator for unseeded random rows.
 
-    Its [rows, V] scratch (scaled scores, noise, banned logits) comes from `buffers`
-    (bucketed, reused every step; a private ResidentOutputs when not given), so the
-    per-step loop allocates only small tensors.
+    Its [rows, V] scratch (scaled scores, noise, banned logits; names "sampler_*") comes
+    from `buffers` (bucketed, reused every step; a private ResidentOutputs when not given),
+    so the per-step loop allocates only small tensors.
     """
 
     def __init__(self, device: torch.device, seed: int = 0, buffers: ResidentOutputs | None = None):
@@ -220,7 +220,8 @@ class Sampler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self._row_generator = torch.Generator(device=self.device)  # reseeded for each seeded row
-        self.buffers = buffers if buffers is not None else ResidentOutputs(self.device)
+        self._owns_buffers = buffers is None
+        self.buffers = ResidentOutputs(self.device) if buffers is None else buffers
         self._neg_inf = torch.full((), float("-inf"), device=self.device)
         # top-p candidates tried before a full sort; 0 always sorts (accelerators: sort is cheap
         # there, and the fallback's decision would sync the host)
@@ -292,8 +293,9 @@ class Sampler:
         torch.where(scores >= thr[:, None], scores, self._neg_inf, out=scores)  # faster than masked_fill_
 
     def close(self) -> None:
-        """Free the scratch buffers (those of a shared `buffers` too)."""
-        self.buffers.close()
+        """Free the scratch buffers, if private (a shared `buffers` is its owner's to close)."""
+        if self._owns_buffers:
+            self.buffers.close()
 
     def _top_p_cut(self, scores: torch.Tensor, top_p: torch.Tensor, prefix: int) -> torch.Tensor:
         """scores [P, V] (top-k applied), top_p [P] -> [P] the lowest score in each nucleus.
