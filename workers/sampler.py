@@ -230,6 +230,7 @@ class Sampler:
     def _scratch(self, name: str, rows: int, vocab: int) -> torch.Tensor:
         return self.buffers.get_rows(f"sampler_{name}", rows, (vocab,), torch.float32)  # [rows, V]
 
+    @torch.inference_mode()  # scratch is always created and updated the same way
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits [B, V] (float32; not modified). Returns ids [B] int32 on logits.device."""
         if logits.dim() != 2 or logits.shape[0] != batch.size:
