@@ -181,7 +181,7 @@ def test_unseeded_rows_follow_the_sampler_seed(device):
     assert not torch.equal(a.token_ids, c.token_ids)
 
 
-@pytest.mark.parametrize("top_k", [-1, 5, 40, 2999])
+@pytest.mark.parametrize("top_k", [-1, 5, 40, 2980])
 def test_top_p_shortcuts_match_the_full_sort(top_k):
     """Top-p without a sort (nucleus among the top-k, or among the CPU's top candidates)
     and with a full sort pick the same tokens for the same seeded rows."""
@@ -189,13 +189,17 @@ def test_top_p_shortcuts_match_the_full_sort(top_k):
     peaked = torch.randn(4, 3000, generator=gen) * 4  # small nuclei
     flat = torch.randn(4, 3000, generator=gen) * 0.3  # nuclei of thousands of tokens
     logits = torch.cat([peaked, flat])
-    params = [W(temperature=1.0, top_k=top_k, top_p=p, seed=i) for i, p in enumerate([0.5, 0.9, 0.99, 0.7] * 2)]
+    params = [W(temperature=1.0, top_k=top_k + 3 * i if top_k > 0 else -1, top_p=p, seed=i)  # k differs by row
+              for i, p in enumerate([0.5, 0.9, 0.99, 0.7] * 2)]
     shortcut, full = Sampler(torch.device("cpu")), Sampler(torch.device("cpu"))
     shortcut.top_p_candidates, full.top_p_candidates = 64, 0
-    # in `full`, a companion row without top-k forces the sort for the whole batch
-    companion = W(temperature=1.0, top_p=0.5)
+    # in `full`, a companion row without top-k forces the sort for the whole batch;
+    # in `shortcut`, a top-k-only companion comes first, so rows are remapped
+    companion, first = W(temperature=1.0, top_p=0.5), W(temperature=1.0, top_k=7)
     for pos in range(20):
-        a, _ = sample("cpu", logits, params, positions=[pos] * 8, sampler=shortcut)
+        a, _ = sample("cpu", torch.cat([logits[:1], logits]), [first] + params, positions=[pos] * 9,
+                      sampler=shortcut)
+        a.token_ids = a.token_ids[1:]
         b, _ = sample("cpu", torch.cat([logits, logits[:1]]), params + [companion], positions=[pos] * 9,
                       sampler=full)
         assert a.token_ids.tolist() == b.token_ids[:8].tolist()

@@ -90,7 +90,8 @@ class SamplingBatch:
     top_k_max: int = 0
     top_p: torch.Tensor | None = None  # [P] float32
     top_p_rows: torch.Tensor | None = None  # [P]
-    top_p_prefix: int = 0  # when every top-p row has top-k: the largest such k (its nucleus is in there)
+    top_p_within_k: bool = False  # every top-p row has top-k: its nucleus is among its top k
+    top_p_k_idx: torch.Tensor | None = None  # [P] those rows' positions among the top-k rows
     log_min_p: torch.Tensor | None = None  # [M] float32, log(min_p)
     min_p_rows: torch.Tensor | None = None  # [M]
     seeded: list[tuple[int, int]] = field(default_factory=list)  # (position among random rows, seed)
@@ -132,7 +133,7 @@ class SamplingBatch:
             if sp.top_p < 1:
                 p_rows.append(j)
                 ps.append(float(sp.top_p))
-                pk.append(sp.top_k)
+                pk.append(len(ks) - 1 if sp.top_k > 0 else -1)
             if sp.min_p > 0:
                 m_rows.append(j)
                 ms.append(math.log(sp.min_p))
@@ -149,6 +150,8 @@ class SamplingBatch:
         ints = [rand if greedy and rand else None,
                 ks or None, some(k_rows, R) if ks else None, some(p_rows, R) if ps else None,
                 some(m_rows, R) if ms else None, ban_r or None, ban_c or None, some(lp_rows, B)]
+        within_k = bool(pk) and min(pk) >= 0
+        ints.append(some(pk, len(ks)) if within_k else None)
         floats = [temps or None, ps or None, ms or None]
         i_dev = _split(ints, torch.int64, device)
         f_dev = _split(floats, torch.float32, device)
@@ -156,7 +159,7 @@ class SamplingBatch:
             size=B, all_greedy=R == 0,
             random_idx=i_dev[0], num_random=R, temperature=f_dev[0],
             top_k=i_dev[1], top_k_rows=i_dev[2], top_k_max=max(ks, default=0),
-            top_p=f_dev[1], top_p_rows=i_dev[3], top_p_prefix=max(pk) if pk and min(pk) > 0 else 0, log_min_p=f_dev[2], min_p_rows=i_dev[4],
+            top_p=f_dev[1], top_p_rows=i_dev[3], top_p_within_k=within_k, top_p_k_idx=i_dev[8], log_min_p=f_dev[2], min_p_rows=i_dev[4],
             seeded=seeded, any_unseeded=any_unseeded,
             ban_rows=i_dev[5], ban_ids=i_dev[6], max_banned_id=max(ban_c, default=-1),
             logprob_rows=lp_rows, logprob_n=lp_n, logprob_idx=i_dev[7] if lp_rows else None,
@@ -266,13 +269,19 @@ class Sampler:
         thr = torch.full((R,), float("-inf"), device=x.device)  # [R] tokens below are filtered out
         if b.top_k is not None:
             k_max = min(b.top_k_max, V)
-            kth = _subset(scores, b.top_k_rows).topk(k_max, dim=-1).values  # [K, k_max], descending
-            k = b.top_k.clamp(max=k_max) - 1
-            thr = _fold(thr, b.top_k_rows, kth.gather(1, k[:, None]).squeeze(1))
-        if b.top_p is not None:
-            if b.top_k is not None:  # top-p sees the distribution after top-k
-                self._filter(scores, thr)
-            cut = self._top_p_cut(_subset(scores, b.top_p_rows), b.top_p, min(b.top_p_prefix, V))
+            top = _subset(scores, b.top_k_rows).topk(k_max, dim=-1).values  # [K, k_max], descending
+            kth = top.gather(1, b.top_k.clamp(max=k_max)[:, None] - 1)  # [K, 1]
+            thr = _fold(thr, b.top_k_rows, kth.squeeze(1))
+        if b.top_p is not None:  # top-p sees the distribution after top-k
+            if b.top_p_within_k:  # the top-k candidates hold each nucleus: no pass over V
+                cand = _subset(top, b.top_p_k_idx)  # [P, k_max]
+                cand = torch.where(cand >= _subset(kth, b.top_p_k_idx), cand, self._neg_inf)
+                total = (cand - cand[:, :1]).exp().sum(dim=-1, keepdim=True)
+                cut = _nucleus_cut(cand, cand[:, :1], total, b.top_p)[0]
+            else:
+                if b.top_k is not None:
+                    self._filter(scores, thr)
+                cut = self._top_p_cut(_subset(scores, b.top_p_rows), b.top_p)
             thr = _fold(thr, b.top_p_rows, cut)
         if b.log_min_p is not None:  # p >= min_p * p_max  <=>  score >= max score + log(min_p)
             thr = _fold(thr, b.min_p_rows, _subset(scores, b.min_p_rows).amax(dim=-1) + b.log_min_p)
@@ -298,21 +307,20 @@ class Sampler:
         if self._owns_buffers:
             self.buffers.close()
 
-    def _top_p_cut(self, scores: torch.Tensor, top_p: torch.Tensor, prefix: int) -> torch.Tensor:
+    def _top_p_cut(self, scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         """scores [P, V] (top-k applied), top_p [P] -> [P] the lowest score in each nucleus.
 
-        With `prefix` (every row has top-k <= prefix) the nucleus lies among the top
-        `prefix` scores: topk, no sort. Otherwise, on the CPU, rows whose nucleus lies in
-        the top `top_p_candidates` skip the full sort (deciding that syncs, which only the
-        CPU gets for free). Every way computes the same cut from the same prefix sums.
+        On the CPU, rows whose nucleus lies in the top `top_p_candidates` skip the full
+        sort (deciding that syncs, which only the CPU gets for free). Every way computes
+        the same cut from the same prefix sums.
         """
         peak = scores.amax(dim=-1, keepdim=True)  # [P, 1]
         total = (scores - peak).exp_().sum(dim=-1, keepdim=True)  # [P, 1]
-        n = prefix or self.top_p_candidates
+        n = self.top_p_candidates
         if not 0 < n < scores.shape[1]:
             return _nucleus_cut(scores.sort(dim=-1, descending=True).values, peak, total, top_p)[0]
         cut, done = _nucleus_cut(scores.topk(n, dim=-1).values, peak, total, top_p)
-        if prefix or bool(done.all()):  # a prefix holding all finite scores is never short
+        if bool(done.all()):
             return cut
         rest = (~done).nonzero().squeeze(1)
         vals = scores.index_select(0, rest).sort(dim=-1, descending=True).values
