@@ -143,40 +143,32 @@ class SamplingBatch:
                 seeded.append((j, row_seed(sp.seed, pos)))
         B, R = len(params), len(rand)
 
-        def some(rows, total):  # an index list, or None when it covers every row (or none)
+        def some(rows, total):  # an index list, or None when it covers every row
             return None if len(rows) == total else rows
 
-        # Two host->device copies in all: one int64 pack and one float32 pack.
-        ints = [rand if greedy and rand else None,
-                ks or None, some(k_rows, R) if ks else None, some(p_rows, R) if ps else None,
-                some(m_rows, R) if ms else None, ban_r or None, ban_c or None, some(lp_rows, B)]
         within_k = bool(pk) and min(pk) >= 0
-        ints.append(some(pk, len(ks)) if within_k else None)
-        floats = [temps or None, ps or None, ms or None]
-        i_dev = _split(ints, torch.int64, device)
-        f_dev = _split(floats, torch.float32, device)
-        return cls(
-            size=B, all_greedy=R == 0,
-            random_idx=i_dev[0], num_random=R, temperature=f_dev[0],
-            top_k=i_dev[1], top_k_rows=i_dev[2], top_k_max=max(ks, default=0),
-            top_p=f_dev[1], top_p_rows=i_dev[3], top_p_within_k=within_k, top_p_k_idx=i_dev[8], log_min_p=f_dev[2], min_p_rows=i_dev[4],
-            seeded=seeded, any_unseeded=any_unseeded,
-            ban_rows=i_dev[5], ban_ids=i_dev[6], max_banned_id=max(ban_c, default=-1),
-            logprob_rows=lp_rows, logprob_n=lp_n, logprob_idx=i_dev[7] if lp_rows else None,
-            max_logprobs=max(lp_n, default=0),
-        )
+        ints = dict(random_idx=rand if greedy and rand else None, top_k=ks or None,
+                    top_k_rows=some(k_rows, R) if ks else None, top_p_rows=some(p_rows, R) if ps else None,
+                    top_p_k_idx=some(pk, len(ks)) if within_k else None,
+                    min_p_rows=some(m_rows, R) if ms else None, ban_rows=ban_r or None, ban_ids=ban_c or None,
+                    logprob_idx=some(lp_rows, B) if lp_rows else None)
+        floats = dict(temperature=temps or None, top_p=ps or None, log_min_p=ms or None)
+        return cls(size=B, all_greedy=R == 0, num_random=R, top_k_max=max(ks, default=0), top_p_within_k=within_k,
+                   seeded=seeded, any_unseeded=any_unseeded, max_banned_id=max(ban_c, default=-1),
+                   logprob_rows=lp_rows, logprob_n=lp_n, max_logprobs=max(lp_n, default=0),
+                   **_to_device(ints, torch.int64, device), **_to_device(floats, torch.float32, device))
 
 
-def _split(parts: list[list | None], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor | None]:
-    """Copy the non-None lists to `device` as one tensor; return a view per list (None kept)."""
-    present = [p for p in parts if p is not None]
-    if not present:
-        return [None] * len(parts)
-    flat = torch.tensor([x for p in present for x in p], dtype=dtype)
-    # CUDA: pinned + non_blocking, so the copy does not wait for the queued forward
-    flat = flat.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flat.to(device)
-    views = iter(torch.split(flat, [len(p) for p in present]))
-    return [None if p is None else next(views) for p in parts]
+def _to_device(lists: dict[str, list | None], dtype: torch.dtype, device: torch.device) -> dict:
+    """The lists as tensors on `device` (None stays None), copied in one transfer."""
+    present = {k: v for k, v in lists.items() if v is not None}
+    out = dict.fromkeys(lists)
+    if present:
+        flat = torch.tensor([x for v in present.values() for x in v], dtype=dtype)
+        # CUDA: pinned + non_blocking, so the copy does not wait for the queued forward
+        flat = flat.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flat.to(device)
+        out.update(zip(present, torch.split(flat, [len(v) for v in present.values()])))
+    return out
 
 
 @dataclass
