@@ -178,6 +178,8 @@ class Qwen3ForCausalLM(nn.Module):
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 attn: AttentionMetadata) -> torch.Tensor:
         """hidden [T, hidden] (embedded inputs), positions [T] -> [T, hidden] before the final norm."""
+        if self.inv_freq.dtype != torch.float32 or self.inv_freq.device != hidden.device:
+            self.reset_rotary()  # a .to(dtype) cast it, or the model moved: recompute in fp32
         cos, sin = rotary_cos_sin(positions, self.inv_freq, hidden.dtype)
         for i, layer in enumerate(self.model.layers):
             hidden = layer(hidden, cos, sin, kv_cache, i, attn)
