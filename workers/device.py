@@ -1,0 +1,182 @@
+"""cpu / cuda / npu: everything else in raylm asks this module about the device.
+
+Device kinds are plain strings. Ray assigns accelerators by setting the visible-devices
+variable (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES) before an actor starts, so
+inside a worker the devices it owns are numbered from 0 and `torch_device(kind)` means
+the first of them.
+
+torch_npu is imported lazily, and only for the "npu" kind: importing it without the
+Ascend CANN toolkit breaks `import torch`, so no other code path may touch it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+KINDS = ("cpu", "cuda", "npu")
+
+_DIST_BACKEND = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+_RAY_RESOURCE = {"cpu": None, "cuda": "GPU", "npu": "NPU"}
+_VISIBLE_ENV = {"cpu": None, "cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
+
+
+class DeviceUnavailableError(RuntimeError):
+    """The requested device kind is known but not usable in this process."""
+
+
+def check_kind(kind: str) -> str:
+    """Return `kind` if it names a supported device kind, else raise ValueError naming it."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown device kind {kind!r}; expected one of {', '.join(KINDS)}")
+    return kind
+
+
+def _import_torch_npu():
+    try:
+        import torch_npu  # noqa: F401  (registers torch.npu)
+    except ImportError as e:
+        raise DeviceUnavailableError(
+            "device kind 'npu' needs torch-npu and the Ascend CANN toolkit "
+            f"(pip install 'raylm[npu]'); importing torch_npu failed: {e}"
+        ) from e
+    return torch.npu  # type: ignore[attr-defined]
+
+
+def _backend(device: torch.device):
+    """The torch submodule (torch.cuda / torch.npu) for an accelerator device."""
+    if device.type == "cuda":
+        return torch.cuda
+    if device.type == "npu":
+        return _import_torch_npu()
+    raise ValueError(f"unsupported device {device}; expected one of {', '.join(KINDS)}")
+
+
+def torch_device(kind: str, index: int | None = None) -> torch.device:
+    """The torch.device for `kind`; `index` counts among the visible devices (default 0)."""
+    check_kind(kind)
+    if index is not None and (not isinstance(index, int) or isinstance(index, bool) or index < 0):
+        raise ValueError(f"device index must be an integer >= 0, got {index!r}")
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            env = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise DeviceUnavailableError(
+                "device kind 'cuda' was requested but CUDA is not available in this process "
+                f"(torch {torch.__version__}, torch.version.cuda={torch.version.cuda}, "
+                f"CUDA_VISIBLE_DEVICES={env!r}); use device='cpu' or install a CUDA build of torch"
+            )
+        count = torch.cuda.device_count()
+    else:
+        npu = _import_torch_npu()
+        if not npu.is_available():
+            env = os.environ.get("ASCEND_RT_VISIBLE_DEVICES")
+            raise DeviceUnavailableError(
+                f"device kind 'npu' was requested but no NPU is visible (ASCEND_RT_VISIBLE_DEVICES={env!r})"
+            )
+        count = npu.device_count()
+    index = 0 if index is None else index
+    if index >= count:
+        raise ValueError(f"device index {index} is out of range: {count} {kind} device(s) visible")
+    return torch.device(kind, index)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for all queued work on `device` (a no-op on the CPU)."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        _backend(device).synchronize(device)
+
+
+def _cpu_memory_info() -> tuple[int, int]:
+    try:
+        fields = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                fields[key] = int(rest.split()[0]) * 1024  # values are in kB
+        return fields["MemAvailable"], fields["MemTotal"]
+    except (OSError, KeyError, ValueError, IndexError):
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
+def memory_info(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of `device`; on the CPU, available and total system memory."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return _cpu_memory_info()
+    free, total = _backend(device).mem_get_info(device)
+    return int(free), int(total)
+
+
+def dist_backend(kind: str) -> str:
+    """The torch.distributed backend for `kind`: gloo, nccl or hccl."""
+    return _DIST_BACKEND[check_kind(kind)]
+
+
+def ray_resource_key(kind: str) -> str | None:
+    """The Ray resource an actor of `kind` asks for: "GPU", "NPU", or None (CPUs only)."""
+    return _RAY_RESOURCE[check_kind(kind)]
+
+
+def visible_devices_env(kind: str) -> str | None:
+    """The variable Ray sets to hand devices of `kind` to an actor (None for the CPU)."""
+    return _VISIBLE_ENV[check_kind(kind)]
+
+
+def num_kv_blocks(
+    device: torch.device, *, bytes_per_block: int, memory_fraction: float, cpu_blocks: int | None
+) -> int:
+    """How many KV cache blocks to allocate.
+
+    On an accelerator: `memory_fraction` of the device's total memory may be used by this
+    process in all (weights already loaded included, as vLLM's gpu_memory_utilization),
+    and the KV cache gets what is left of it now; `cpu_blocks` is ignored. On the CPU:
+    exactly `cpu_blocks`, which must fit in the available memory.
+    """
+    device = torch.device(device)
+    if not isinstance(bytes_per_block, int) or isinstance(bytes_per_block, bool) or bytes_per_block <= 0:
+        raise ValueError(f"bytes_per_block must be a positive integer, got {bytes_per_block!r}")
+    free, total = memory_info(device)
+    if device.type == "cpu":
+        if not isinstance(cpu_blocks, int) or isinstance(cpu_blocks, bool) or cpu_blocks <= 0:
+            raise ValueError(f"cpu_blocks must be a positive integer on the CPU, got {cpu_blocks!r}")
+        if cpu_blocks * bytes_per_block > free:
+            raise ValueError(
+                f"cpu_blocks={cpu_blocks} needs {cpu_blocks * bytes_per_block} bytes "
+                f"but only {free} bytes of memory are available"
+            )
+        return cpu_blocks
+    if not isinstance(memory_fraction, (int, float)) or isinstance(memory_fraction, bool) \
+            or not 0 < memory_fraction <= 1:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
+    used = total - free
+    budget = int(total * memory_fraction) - used
+    blocks = budget // bytes_per_block
+    if blocks <= 0:
+        raise ValueError(
+            f"no memory left for the KV cache on {device}: memory_fraction={memory_fraction} "
+            f"allows {int(total * memory_fraction)} of {total} bytes but {used} are already in use; "
+            "raise memory_fraction or use a smaller model"
+        )
+    return int(blocks)
+
+
+def set_cpu_threads(n: int | None) -> None:
+    """Set torch's intra-op threads to `n` (None: the CPUs this process may run on).
+
+    Inter-op threads are set to 1 (a worker runs one forward at a time) when torch still
+    allows it; torch refuses once parallel work has started, and that is left as is.
+    """
+    if n is None:
+        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"cpu threads must be a positive integer or None, got {n!r}")
+    torch.set_num_threads(n)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass  # already set, or inter-op work already ran: torch allows it only once

@@ -1,0 +1,213 @@
+"""Load a Qwen3 checkpoint directory as Hugging Face writes it.
+
+config.json, then model.safetensors or a sharded model.safetensors.index.json; tied or
+untied embeddings; dtype from the config or overridden. Every problem raises a
+CheckpointError (a ValueError) that names it: the missing directory or file, the missing
+or unexpected weight, both shapes of a mismatch, the architecture that is not Qwen3.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from workers.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+
+ARCHITECTURE = "Qwen3ForCausalLM"
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+# weights some checkpoints carry that the model recomputes
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded as a Qwen3 model."""
+
+
+def bundled_model_path() -> str:
+    """The tiny Qwen3 shipped as package data; what runs when no model is given."""
+    return str(Path(__file__).resolve().parent / "tiny_model")
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+        return dtype
+    key = str(dtype).removeprefix("torch.").lower()
+    if key not in DTYPES:
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    return DTYPES[key]
+
+
+def _checkpoint_dir(path) -> Path:
+    if path is None:
+        raise CheckpointError("no checkpoint directory given")
+    d = Path(path)
+    if not d.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {str(d)!r}")
+    return d
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path.name} not found in {str(path.parent)!r}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+
+
+def _rope_theta(raw: dict) -> float:
+    params = raw.get("rope_parameters") or raw.get("rope_scaling")
+    if isinstance(params, dict):
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type != "default":
+            raise CheckpointError(f"rope type {rope_type!r} is not supported (only 'default')")
+        if "rope_theta" in params:
+            return float(params["rope_theta"])
+    return float(raw.get("rope_theta", 10000.0))
+
+
+def config_from_dict(raw: dict) -> Qwen3Config:
+    archs = raw.get("architectures") or []
+    if archs and ARCHITECTURE not in archs:
+        raise CheckpointError(f"architecture {archs[0]!r} is not {ARCHITECTURE!r}")
+    if not archs and raw.get("model_type") != "qwen3":
+        raise CheckpointError(f"model_type {raw.get('model_type')!r} is not 'qwen3'")
+    if raw.get("use_sliding_window"):
+        raise CheckpointError("use_sliding_window is not supported")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"hidden_act {raw['hidden_act']!r} is not supported (only 'silu')")
+    try:
+        heads = raw["num_attention_heads"]
+        return Qwen3Config(
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(raw),
+            max_position_embeddings=raw.get("max_position_embeddings", 32768),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+        )
+    except KeyError as e:
+        raise CheckpointError(f"config.json lacks {e.args[0]!r}") from None
+    except ValueError as e:
+        raise CheckpointError(f"config.json: {e}") from None
+
+
+def load_config(path) -> Qwen3Config:
+    return config_from_dict(_read_json(_checkpoint_dir(path) / "config.json"))
+
+
+def _weight_files(d: Path) -> list[Path]:
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index.name} has no weight_map")
+        files = [d / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"shard {f.name!r} listed in {index.name} is missing")
+        return files
+    single = d / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {str(d)!r}")
+
+
+def empty_model(config: Qwen3Config, dtype: torch.dtype, device) -> Qwen3ForCausalLM:
+    """A model with uninitialized weights of `dtype` on `device` (built on meta: no double allocation)."""
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    model = model.to(dtype).to_empty(device=device)
+    model.tie_weights()
+    model.reset_rotary()
+    return model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def load_model(path, dtype=None, device="cpu") -> Qwen3ForCausalLM:
+    d = _checkpoint_dir(path)
+    config = load_config(d)
+    model = empty_model(config, resolve_dtype(dtype or config.torch_dtype), device)
+    params = dict(model.named_parameters())  # tied: lm_head.weight is the embedding, listed once
+    loaded: set[str] = set()
+    for file in _weight_files(d):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name not in params:
+                    if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
+                        continue
+                    raise CheckpointError(f"unexpected weight {name!r} in {file.name}")
+                tensor = f.get_tensor(name)
+                param = params[name]
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise CheckpointError(
+                        f"shape mismatch for {name!r}: checkpoint has {tuple(tensor.shape)}, "
+                        f"model expects {tuple(param.shape)}"
+                    )
+                param.copy_(tensor)
+                loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"missing weight {missing[0]!r}{more} in {str(d)!r}")
+    return model
+
+
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(_checkpoint_dir(path)))
+
+
+def _ids(value) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value}
+
+
+def eos_token_ids(path, tokenizer=None) -> frozenset[int]:
+    """The tokenizer's eos id plus config.json's and generation_config.json's eos ids."""
+    d = _checkpoint_dir(path)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(d)
+    ids = _ids(tokenizer.eos_token_id) | _ids(_read_json(d / "config.json").get("eos_token_id"))
+    gen = d / "generation_config.json"
+    if gen.is_file():
+        ids |= _ids(_read_json(gen).get("eos_token_id"))
+    return frozenset(ids)
+
+
+@torch.no_grad()
+def random_qwen3(*, dtype=torch.bfloat16, layers: int | None = None, seed: int = 0, device="cpu",
+                 std: float = 0.02, **shape_overrides) -> Qwen3ForCausalLM:
+    """An in-memory Qwen3 with random weights (Qwen3-0.6B's shape unless overridden)."""
+    if layers is not None:
+        shape_overrides["num_hidden_layers"] = layers
+    config = Qwen3Config(**shape_overrides)
+    model = empty_model(config, resolve_dtype(dtype), device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            param.normal_(0.0, std, generator=gen)
+    return model

@@ -1,0 +1,218 @@
+"""ModelRunner: plan -> tensors -> forward -> device sampling -> StepResult.
+
+The runner owns the model, the paged KV cache, the per-slot request state and a device
+buffer of each slot's last sampled token (`last_tokens`), so a decode row marked
+USE_RESIDENT needs no input token from the driver. Per step, the embedded inputs go into
+the resident "next_hidden" buffer and the sampling rows' logits into the resident "logits"
+buffer (batch sizes bucketed); only int32 ids (and logprobs when asked) reach the host.
+With device outputs off it returns the logits instead, trimmed to the real vocab.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from scheduler.protocol import NewRequest, ScheduledRow, StepPlan, StepResult, USE_RESIDENT, WorkerSampling
+from workers.device import KINDS, num_kv_blocks, set_cpu_threads, synchronize, torch_device
+from workers.kv_cache import KVCache
+from workers.loader import DTYPES, bundled_model_path, load_model, load_tokenizer, resolve_dtype
+from workers.models.qwen3 import Qwen3ForCausalLM
+from workers.outputs import ResidentOutputs, device_outputs_enabled, encode_logits
+from workers.sampler import Sampler, SamplingBatch, row_logprobs
+from workers.slots import SlotTable
+from workers.step_inputs import build_step_inputs
+
+DEFAULT_CPU_BLOCKS = 512
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclass
+class RunnerConfig:
+    model: str | None = None  # checkpoint dir; None -> the bundled tiny model
+    device: str = "cpu"  # "cpu" | "cuda" | "npu"
+    device_index: int | None = None
+    dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None -> the checkpoint's dtype
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # CPU: the pool size (default 512); accelerators: None -> memory_fraction
+    memory_fraction: float = 0.9
+    max_num_seqs: int = 64  # number of slots
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None -> the model's max_position_embeddings
+    device_outputs: bool | None = None  # None -> RAYLM_DEVICE_OUTPUTS (default on)
+    seed: int = 0  # for unseeded sampling
+    num_threads: int | None = None  # torch.set_num_threads on the CPU when given
+
+    def __post_init__(self) -> None:
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"model must be a checkpoint directory or None, got {self.model!r}")
+        if self.device not in KINDS:
+            raise ValueError(f"device must be one of {', '.join(KINDS)}, got {self.device!r}")
+        if self.device_index is not None and (not isinstance(self.device_index, int)
+                                              or isinstance(self.device_index, bool) or self.device_index < 0):
+            raise ValueError(f"device_index must be an integer >= 0 or None, got {self.device_index!r}")
+        if self.dtype is not None and str(self.dtype).lower() not in DTYPES:
+            raise ValueError(f"dtype must be float32, bfloat16, float16 or None, got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if not _positive_int(getattr(self, name)):
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("num_kv_blocks", "max_model_len", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and not _positive_int(value):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        f = self.memory_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {f!r}")
+        if self.device_outputs is not None and not isinstance(self.device_outputs, bool):
+            raise ValueError(f"device_outputs must be a bool or None, got {self.device_outputs!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer_size(path: str) -> int | None:
+    try:
+        return len(load_tokenizer(path))
+    except (OSError, ValueError, TypeError):  # a checkpoint without a usable tokenizer
+        return None
+
+
+class ModelRunner:
+    def __init__(self, config: RunnerConfig, model: Qwen3ForCausalLM | None = None) -> None:
+        self.config = config
+        if config.device == "cpu" and config.num_threads is not None:
+            set_cpu_threads(config.num_threads)
+        self.device = torch_device(config.device, config.device_index)
+        tokenizer_size = None
+        if model is None:
+            path = config.model or bundled_model_path()
+            model = load_model(path, dtype=config.dtype, device=self.device)
+            tokenizer_size = _tokenizer_size(path)
+        else:
+            dtype = resolve_dtype(config.dtype) if config.dtype else model.dtype
+            if model.dtype != dtype or model.model.embed_tokens.weight.device != self.device:
+                model = model.to(device=self.device, dtype=dtype)
+                model.tie_weights()
+                model.reset_rotary()
+        self.model = model.eval()
+        mc = model.config
+        self.vocab_size = min(mc.vocab_size, tokenizer_size or mc.vocab_size)  # the real vocab
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {mc.max_position_embeddings}")
+        bytes_per_block = KVCache.bytes_per_block(
+            num_layers=mc.num_hidden_layers, block_size=config.block_size,
+            num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim, dtype=model.dtype)
+        if config.num_kv_blocks is not None and self.device.type != "cpu":
+            self.num_kv_blocks = config.num_kv_blocks
+        else:
+            self.num_kv_blocks = num_kv_blocks(
+                self.device, bytes_per_block=bytes_per_block, memory_fraction=config.memory_fraction,
+                cpu_blocks=config.num_kv_blocks or DEFAULT_CPU_BLOCKS)
+        self.kv_cache = KVCache(num_layers=mc.num_hidden_layers, num_blocks=self.num_kv_blocks,
+                                block_size=config.block_size, num_kv_heads=mc.num_key_value_heads,
+                                head_dim=mc.head_dim, dtype=model.dtype, device=self.device)
+        self.slots = SlotTable(max_num_seqs=config.max_num_seqs, num_blocks=self.num_kv_blocks,
+                               block_size=config.block_size, max_model_len=self.max_model_len,
+                               vocab_size=mc.vocab_size)
+        self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)  # [slots]
+        self.outputs = ResidentOutputs(self.device)
+        self.sampler = Sampler(self.device, seed=config.seed)
+        self.device_outputs = device_outputs_enabled(config.device_outputs)
+        self.num_steps = 0
+        self.num_tokens = 0
+
+    # -- one step -----------------------------------------------------------------------
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        if not isinstance(plan, StepPlan):
+            raise ValueError(f"execute takes a StepPlan, got {type(plan).__name__}")
+        if plan.num_tokens > self.config.max_num_batched_tokens:
+            raise ValueError(f"step {plan.step_id} schedules {plan.num_tokens} tokens, "
+                             f"more than max_num_batched_tokens {self.config.max_num_batched_tokens}")
+        rows = self.slots.apply(plan)
+        result = StepResult(step_id=plan.step_id, logits_shape=(0, 0 if self.device_outputs else self.vocab_size))
+        if rows:
+            with torch.inference_mode():
+                self._run(rows, result)
+            self.num_steps += 1
+            self.num_tokens += plan.num_tokens
+        result.step_time = time.perf_counter() - t0
+        return result
+
+    def _run(self, rows, result: StepResult) -> None:
+        mc = self.model.config
+        inputs = build_step_inputs(rows, block_size=self.config.block_size, last_tokens=self.last_tokens,
+                                   device=self.device)
+        hidden_in = self.outputs.get_rows("next_hidden", inputs.num_tokens, (mc.hidden_size,), self.model.dtype)
+        self.model.embed(inputs.input_ids, out=hidden_in)  # [T, hidden]
+        hidden = self.model(hidden_in, inputs.positions, self.kv_cache, inputs.attn)  # [T, hidden]
+        if inputs.logits_indices is not None:
+            hidden = hidden.index_select(0, inputs.logits_indices)  # [B, hidden]
+        b = len(inputs.slots)
+        result.slots = inputs.slots
+        if b == 0:
+            return
+        logits = self.outputs.get_rows("logits", b, (self.vocab_size,), torch.float32)
+        self.model.compute_logits(hidden, out=logits)  # [B, V]
+        if not self.device_outputs:
+            result.logits, result.logits_shape, result.logits_dtype = encode_logits(logits, self.vocab_size)
+            return
+        batch = SamplingBatch.build(inputs.sampling, inputs.sample_positions, self.device)
+        out = self.sampler(logits, batch)
+        self.last_tokens.index_copy_(0, inputs.sample_slots, out.token_ids.to(torch.int64))
+        for w in inputs.work:
+            w.state.has_resident = True
+        result.token_ids = out.token_ids.cpu().numpy().tobytes()  # the step's one host copy
+        result.logprobs = row_logprobs(out, batch)
+        result.logits_shape = (b, 0)
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def warmup(self) -> None:
+        """Run one prefill + decode step through the whole path, then forget it."""
+        if len(self.slots):
+            raise ValueError("warmup must run before any request is admitted")
+        bs = self.config.block_size
+        n = max(1, min(2 * bs, self.config.max_num_batched_tokens, self.max_model_len - 1,
+                       self.num_kv_blocks * bs - 1))
+        blocks = list(range((n + bs) // bs))  # room for n prompt tokens and one decode token
+        greedy = WorkerSampling()
+        steps, tokens = self.num_steps, self.num_tokens
+        try:
+            self.execute(StepPlan(step_id=-1, new_requests=[NewRequest(0, [0] * n, 0, blocks, greedy)],
+                                  rows=[ScheduledRow(0, n)]))
+            token = USE_RESIDENT if self.device_outputs else 0
+            self.execute(StepPlan(step_id=-1, rows=[ScheduledRow(0, 1, token=token)]))
+            synchronize(self.device)
+        finally:
+            self.slots.clear()
+            self.last_tokens.zero_()
+            self.num_steps, self.num_tokens = steps, tokens
+
+    def stats(self) -> dict:
+        return {
+            "steps": self.num_steps,
+            "tokens": self.num_tokens,
+            "active_slots": len(self.slots),
+            "kv_blocks": self.num_kv_blocks,
+            "kv_cache_bytes": self.kv_cache.nbytes,
+            "resident_buffers": len(self.outputs),
+            "resident_bytes": self.outputs.nbytes,
+            "resident_allocations": self.outputs.num_allocations,
+            "device": str(self.device),
+            "device_outputs": self.device_outputs,
+        }
+
+    def close(self) -> None:
+        self.slots.clear()
+        self.outputs.close()
+        self.kv_cache = None  # type: ignore[assignment]

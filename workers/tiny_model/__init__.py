@@ -1,0 +1,1 @@
+"""The bundled tiny Qwen3 checkpoint (package data), built by `python -m workers.tiny_model.build`."""
