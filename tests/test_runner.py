@@ -239,3 +239,26 @@ def test_runner_reports_its_sizes():
 def test_runner_config_rejects_bad_values(field, value):
     with pytest.raises(ValueError, match=field):
         RunnerConfig(**{field: value})
+
+
+def test_a_step_where_no_row_samples_returns_no_ids():
+    runner = make_runner()
+    plan = StepPlan(0, new_requests=[NewRequest(0, PROMPTS[1], 0, list(range(8)), WorkerSampling())],
+                    rows=[ScheduledRow(0, 12)])  # a first chunk: 18 prompt tokens remain uncomputed
+    result = runner.execute(plan)
+    assert result.slots == [] and result.token_ids == b"" and result.logits_shape == (0, 0)
+    rest = runner.execute(StepPlan(1, rows=[ScheduledRow(0, len(PROMPTS[1]) - 12)]))
+    assert rest.slots == [0] and len(rest.sampled_ids()) == 1
+
+
+def test_an_injected_model_runs_without_a_checkpoint():
+    from workers.loader import random_qwen3
+
+    model = random_qwen3(layers=1, hidden_size=32, intermediate_size=48, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=16, vocab_size=97, max_position_embeddings=128,
+                         dtype="float32")
+    runner = ModelRunner(RunnerConfig(block_size=BS, num_kv_blocks=16, max_num_seqs=2), model=model)
+    assert runner.vocab_size == 97 and runner.max_model_len == 128
+    result = runner.execute(StepPlan(0, new_requests=[NewRequest(1, [1, 2, 3], 0, [0], WorkerSampling())],
+                                     rows=[ScheduledRow(1, 3)]))
+    assert result.slots == [1] and 0 <= result.sampled_ids()[0] < 97

@@ -124,7 +124,7 @@ class ModelRunner:
                                vocab_size=mc.vocab_size)
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)  # [slots]
         self.outputs = ResidentOutputs(self.device)
-        self.sampler = Sampler(self.device, seed=config.seed)
+        self.sampler = Sampler(self.device, seed=config.seed, buffers=self.outputs)  # its scratch is resident too
         self.device_outputs = device_outputs_enabled(config.device_outputs)
         self.num_steps = 0
         self.num_tokens = 0
@@ -214,5 +214,6 @@ class ModelRunner:
 
     def close(self) -> None:
         self.slots.clear()
+        self.sampler.close()
         self.outputs.close()
         self.kv_cache = None  # type: ignore[assignment]
