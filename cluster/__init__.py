@@ -1,0 +1,65 @@
+"""raylm's public face: launch or connect to an engine, then generate.
+
+    import cluster
+    with cluster.launch() as llm:            # the bundled tiny Qwen3 on the CPU
+        print(llm.generate("北京故宫是", cluster.SamplingParams(max_tokens=32)).text)
+"""
+
+from __future__ import annotations
+
+import logging
+
+from cluster.config import EngineConfig
+from cluster.errors import EngineDeadError, EngineOverloadedError
+from cluster.handle import LLMHandle
+from cluster.outputs import RequestMetrics, RequestOutput, StreamDelta, TokenLogprob
+from scheduler.request import SamplingParams
+
+__all__ = [
+    "launch", "connect", "LLMHandle", "EngineConfig", "SamplingParams", "RequestOutput", "StreamDelta",
+    "TokenLogprob", "RequestMetrics", "EngineOverloadedError", "EngineDeadError",
+]
+
+
+def ensure_ray(address: str | None = None) -> bool:
+    """Join a running Ray (this process's, `address`, or one started with `ray start`),
+    else start a local one. Returns True when this call initialized Ray here."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    opts = dict(include_dashboard=False, logging_level=logging.WARNING)
+    if address is not None:
+        ray.init(address=address, **opts)
+        return True
+    try:
+        ray.init(address="auto", **opts)
+    except ConnectionError:
+        ray.init(**opts)
+    return True
+
+
+def launch(model: str | None = None, device: str = "cpu", num_replicas: int = 1, **config) -> LLMHandle:
+    """Start an engine driven from this process. No model: the bundled tiny Qwen3.
+    Keyword options are EngineConfig fields (validated; unknown ones are an error)."""
+    from cluster.engine import Engine
+
+    cfg = EngineConfig.from_kwargs(model=model, device=device, num_replicas=num_replicas, **config)
+    owns_ray = ensure_ray()
+    try:
+        engine = Engine(cfg).start()
+    except BaseException:
+        if owns_ray:
+            import ray
+
+            ray.shutdown()
+        raise
+    return LLMHandle(engine, owns_ray=owns_ray)
+
+
+def connect(name: str = "raylm", *, address: str | None = None, namespace: str = "raylm") -> LLMHandle:
+    """A handle to an engine started by `raylm serve` (a named, detached actor)."""
+    from cluster.remote import RemoteEngine
+
+    owns_ray = ensure_ray(address)
+    return LLMHandle(RemoteEngine.attach(name, namespace), owns_ray=owns_ray)

@@ -1,0 +1,136 @@
+"""`raylm generate | serve | bench`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+
+log = logging.getLogger("raylm")
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled tiny Qwen3)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"])
+    p.add_argument("--replicas", type=int, default=1, help="data-parallel replicas")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (CPU)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--threads-per-worker", type=int, default=None)
+
+
+def _engine_kwargs(a: argparse.Namespace) -> dict:
+    kw = dict(model=a.model, device=a.device, num_replicas=a.replicas, dtype=a.dtype,
+              num_kv_blocks=a.num_kv_blocks, max_model_len=a.max_model_len, threads_per_worker=a.threads_per_worker)
+    return kw
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    import cluster
+
+    params = cluster.SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                                    top_k=a.top_k, seed=a.seed, ignore_eos=a.ignore_eos)
+    t0 = time.perf_counter()
+    with cluster.launch(**_engine_kwargs(a)) as llm:
+        t_up = time.perf_counter() - t0
+        prompt = llm.apply_chat_template([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
+        t1 = time.perf_counter()
+        if a.stream:
+            print(a.prompt, end="", flush=True)
+            for delta in llm.stream(prompt, params):
+                print(delta.text, end="", flush=True)
+            out = delta.output
+            print()
+        else:
+            out = llm.generate(prompt, params)
+            print(a.prompt + out.text)
+        elapsed = time.perf_counter() - t1
+        stats = llm.stats()
+    n = len(out.token_ids)
+    ttft = out.metrics.ttft if out.metrics and out.metrics.ttft is not None else float("nan")
+    print(
+        f"[raylm] {n} tokens in {elapsed:.2f}s ({n / elapsed:.1f} tok/s), TTFT {ttft * 1000:.1f} ms, "
+        f"finish={out.finish_reason}, bytes pulled per decode step {stats['bytes_pulled_per_decode_step']:.0f}, "
+        f"engine start {t_up:.1f}s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def served_model_name(model: str | None) -> str:
+    return os.path.basename(os.path.normpath(model)) if model else "tiny-qwen3"
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    import ray
+    import uvicorn
+
+    import cluster
+    from cluster.remote import RemoteEngine, launch_detached
+    from cluster.server import ServerState, build_app
+
+    cfg = cluster.EngineConfig.from_kwargs(**_engine_kwargs(a))
+    api_key = a.api_key or os.environ.get("RAYLM_API_KEY") or None
+    cluster.ensure_ray(a.address)
+    actor, started = launch_detached(cfg, a.name)
+    state = ServerState([a.served_model_name or served_model_name(a.model)], api_key)
+
+    def wait_until_loaded() -> None:
+        try:
+            ray.get(started)
+            state.handle = cluster.LLMHandle(RemoteEngine.attach(a.name))
+            log.info("engine %r loaded; serving on http://%s:%d", a.name, a.host, a.port)
+        except Exception as e:  # /health says why
+            state.startup_error = f"engine failed to start: {e}"
+            log.error(state.startup_error)
+
+    threading.Thread(target=wait_until_loaded, daemon=True).start()
+    try:
+        uvicorn.run(build_app(state, a.max_body_bytes), host=a.host, port=a.port, log_level="info")
+    finally:
+        ray.kill(actor, no_restart=True)  # the engine lives as long as this server
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="raylm", description="Serve Qwen3 from a Ray cluster")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt")
+    g.add_argument("prompt")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (the default here) is greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--stream", action="store_true")
+    _engine_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server over a named engine actor")
+    _engine_args(s)
+    s.add_argument("--address", default=None, help="Ray address to join ('auto': the local node's cluster)")
+    s.add_argument("--name", default="raylm", help="engine actor name, for cluster.connect(name)")
+    s.add_argument("--served-model-name", default=None, help="model id in the API (default: model dir name)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set RAYLM_API_KEY)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    s.set_defaults(func=cmd_serve)
+
+    a = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return a.func(a)
+    except ValueError as e:  # bad input: say what, no traceback
+        print(f"raylm: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""Engine: the driver side of raylm. Tokenizes, validates, routes requests to replicas,
+detokenizes their tokens, applies stop strings and streams deltas to callers.
+
+Threads: each Replica runs its own loop thread; `_on_updates` runs on that thread while
+it holds the replica's lock, and `abort` takes the same lock, so one request's
+state is only ever touched under its replica's lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from cluster.config import EngineConfig
+from cluster.detokenizer import IncrementalDetokenizer
+from cluster.errors import EngineDeadError, EngineOverloadedError
+from cluster.metrics import EngineMetrics
+from cluster.outputs import RequestMetrics, RequestOutput, StreamDelta, TokenLogprob
+from cluster.placement import create_replica_groups, default_threads, release, worker_resources
+from cluster.replica import Replica
+from cluster.stream import RequestStream
+from scheduler.request import FinishReason, Request, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _RequestState:
+    request: Request
+    prompt: str | None
+    detok: IncrementalDetokenizer
+    stream: RequestStream
+    replica: Replica
+    logprobs: list[TokenLogprob] | None
+    stop_reason: str | int | None = None
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.replicas: list[Replica] = []
+        self._requests: dict[str, _RequestState] = {}
+        self.tokenizer = None
+        self.model_path: str | None = None
+        self.eos_token_ids: frozenset[int] = frozenset()
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.device_outputs = True
+        self.started_at = time.time()
+        self.metrics = EngineMetrics(self.stats)
+
+    # ---- lifecycle ----
+    def start(self) -> "Engine":
+        from workers.loader import bundled_model_path, eos_token_ids, load_tokenizer
+        from workers.outputs import device_outputs_enabled
+
+        cfg = self.config
+        self.model_path = cfg.model or bundled_model_path()
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.eos_token_ids = frozenset(eos_token_ids(self.model_path))
+        self.device_outputs = device_outputs_enabled(cfg.device_outputs)
+        threads = cfg.threads_per_worker or (default_threads(cfg.num_replicas) if cfg.device == "cpu" else 1)
+        resources = worker_resources(cfg.device, threads, cfg.accelerator_resource)
+        groups = create_replica_groups(resources, cfg.num_replicas, cfg.start_timeout_s)
+        host_sampler = None
+        if not self.device_outputs:
+            import torch
+
+            from workers.sampler import Sampler
+
+            host_sampler = Sampler(torch.device("cpu"), seed=cfg.seed)
+        for i, pg in enumerate(groups):
+            runner_config = {
+                "model": self.model_path, "device": cfg.device, "dtype": cfg.dtype,
+                "block_size": cfg.block_size, "num_kv_blocks": cfg.num_kv_blocks,
+                "memory_fraction": cfg.memory_fraction, "max_num_seqs": cfg.max_num_seqs,
+                "max_num_batched_tokens": cfg.max_num_batched_tokens, "max_model_len": cfg.max_model_len,
+                "device_outputs": self.device_outputs, "seed": cfg.seed + i,
+                "num_threads": threads if cfg.device == "cpu" else None,
+            }
+            self.replicas.append(Replica(i, cfg, runner_config, resources, pg, self._on_updates, host_sampler))
+        try:
+            with ThreadPoolExecutor(len(self.replicas)) as pool:
+                list(pool.map(Replica.start, self.replicas))
+        except BaseException:
+            self.shutdown()
+            for pg in groups:
+                release(pg)
+            raise
+        info = self.replicas[0].info
+        self.max_model_len = info["max_model_len"]
+        self.vocab_size = info["vocab_size"]
+        log.info("raylm engine up: %d replica(s) of %s on %s", len(self.replicas), self.model_path, cfg.device)
+        return self
+
+    def shutdown(self) -> None:
+        for rep in self.replicas:
+            rep.shutdown()
+        for st in list(self._requests.values()):
+            self._finalize(st, FinishReason.ABORT, error="engine shut down")
+        self.replicas = []
+
+    # ---- requests ----
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise ValueError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got {messages!r}")
+        for i, m in enumerate(messages):
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}] needs string 'role' and 'content', got {m!r}")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}: {prompt!r:.80}")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, loop=None) -> RequestStream:
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self.tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} plus the prompt's {len(ids)} tokens exceeds "
+                f"max_model_len={self.max_model_len}")
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        request = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids)
+        replica = self._route(ids)
+        if replica.num_waiting() >= self.config.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"too many waiting requests ({self.config.max_waiting_requests} on replica {replica.index}); retry later")
+        stream = RequestStream(request_id, loop)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
+                                       stop=params.stop)
+        st = _RequestState(request, text, detok, stream, replica, [] if params.logprobs is not None else None)
+        self._requests[request_id] = st
+        try:
+            replica.add(request)
+        except BaseException:
+            self._requests.pop(request_id, None)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        st = self._requests.get(request_id)
+        if st is None:
+            return False
+        with st.replica.lock:
+            if st.replica.abort(request_id) is None or request_id not in self._requests:
+                return False
+            self._finalize(st, FinishReason.ABORT)
+        return True
+
+    def _route(self, token_ids: list[int]) -> Replica:
+        """Fewest outstanding tokens, preferring a replica that holds the prompt's prefix."""
+        alive = [r for r in self.replicas if not r.dead]
+        if not alive:
+            raise EngineDeadError("no replica is serving: every worker failed beyond its restart budget")
+        if len(alive) == 1:
+            return alive[0]
+        load = {r: r.load() for r in alive}
+        least = min(alive, key=lambda r: (load[r], r.index))
+        if self.config.enable_prefix_caching:
+            cached = {r: r.cached_prefix_tokens(token_ids) for r in alive}
+            best = max(cached.values())
+            if best > 0:
+                holder = min((r for r in alive if cached[r] == best), key=lambda r: (load[r], r.index))
+                # Take the prefix unless that replica is a whole batch of work behind.
+                if load[holder] - load[least] <= self.config.max_num_batched_tokens + best:
+                    return holder
+        return least
+
+    # ---- outputs (replica thread, under replica.lock) ----
+    def _on_updates(self, replica: Replica, updates) -> None:
+        for u in updates:
+            st = self._requests.get(u.request.request_id)
+            if st is None:
+                continue
+            req = u.request
+            logprobs = None
+            if st.logprobs is not None and u.new_logprobs:
+                logprobs = [self._token_logprob(lp) for lp in u.new_logprobs]
+                st.logprobs.extend(logprobs)
+            finished = u.finished
+            if u.new_token_ids and st.detok.append(u.new_token_ids) is not None and not finished:
+                replica.finish(req.request_id, FinishReason.STOP)
+                finished = True
+            if finished:
+                self._finalize(st, req.finish_reason or FinishReason.STOP, new_ids=u.new_token_ids, logprobs=logprobs)
+                continue
+            text = st.detok.take_delta()
+            if text or u.new_token_ids:
+                st.stream.put(StreamDelta(req.request_id, text, list(u.new_token_ids), logprobs))
+
+    def _token_logprob(self, lp) -> TokenLogprob:
+        text = self._token_text
+        return TokenLogprob(lp.token_id, text(lp.token_id), lp.logprob,
+                            [(i, text(i), v) for i, v in zip(lp.top_ids, lp.top_logprobs)])
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _finalize(self, st: _RequestState, reason: FinishReason, *, new_ids=(), logprobs=None,
+                  error: str | None = None) -> None:
+        req = st.request
+        if self._requests.pop(req.request_id, None) is None:
+            return
+        if st.detok.stop_reason is not None:
+            st.stop_reason = st.detok.stop_reason
+        elif req.output_token_ids and req.output_token_ids[-1] in req.params.stop_token_ids:
+            st.stop_reason = req.output_token_ids[-1]
+        st.detok.flush()
+        text = st.detok.take_delta(final=True)
+        reason_value = reason.value if isinstance(reason, FinishReason) else str(reason)
+        output = RequestOutput(
+            request_id=req.request_id,
+            prompt=st.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            text=st.detok.text,
+            token_ids=list(req.output_token_ids),
+            finish_reason=reason_value,
+            stop_reason=st.stop_reason,
+            logprobs=st.logprobs,
+            error=error or req.error,
+            metrics=_metrics(req),
+        )
+        self.metrics.observe_finished(reason_value, output.metrics.ttft, output.metrics.tpot)
+        st.stream.put(StreamDelta(req.request_id, text, list(new_ids), logprobs, reason_value, output))
+
+    # ---- stats ----
+    def metrics_text(self) -> bytes:
+        """Prometheus exposition text."""
+        return self.metrics.render()
+
+    def stats(self) -> dict:
+        reps = [r.snapshot() for r in self.replicas]
+        total = {}
+        for snap in reps:
+            for k, v in snap.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "replica":
+                    total[k] = total.get(k, 0) + v
+        queried = total.get("prefix_queried_tokens", 0)
+        total["prefix_hit_rate"] = total.get("prefix_hit_tokens", 0) / queried if queried else 0.0
+        decode_steps = total.get("decode_steps", 0)
+        total["bytes_pulled_per_decode_step"] = total.get("decode_bytes_pulled", 0) / decode_steps if decode_steps else 0.0
+        total["rows_per_decode_step"] = total.get("decode_rows", 0) / decode_steps if decode_steps else 0.0
+        total["num_replicas"] = len(self.replicas)
+        total["replicas_alive"] = sum(1 for r in self.replicas if not r.dead)
+        total["device_outputs"] = self.device_outputs
+        total["pipeline_depth"] = self.config.pipeline_depth if self.device_outputs else 1
+        total["model"] = self.model_path
+        total["device"] = self.config.device
+        total["max_model_len"] = self.max_model_len
+        total["replicas"] = reps
+        return total
+
+
+def _metrics(req: Request) -> RequestMetrics:
+    latency = req.finish_time - req.arrival_time if req.finish_time is not None else None
+    return RequestMetrics(
+        arrival_time=req.arrival_time, first_token_time=req.first_token_time, finish_time=req.finish_time,
+        ttft=req.ttft, tpot=req.tpot, latency=latency,
+        num_cached_tokens=req.num_cached_tokens, num_preemptions=req.num_preemptions,
+    )

@@ -1,0 +1,157 @@
+"""LLMHandle: what users hold. The same methods serve a launched engine (in this
+process) and a connected one (a named engine actor elsewhere in the cluster)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator, Iterator, Sequence
+
+from cluster.outputs import RequestOutput, StreamDelta
+from scheduler.request import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLMHandle:
+    def __init__(self, engine, *, owns_ray: bool = False):
+        self._engine = engine  # cluster.engine.Engine or cluster.remote.RemoteEngine
+        self._owns_ray = owns_ray
+        self._closed = False
+
+    @property
+    def tokenizer(self):
+        return self._engine.tokenizer
+
+    @property
+    def config(self):
+        return self._engine.config
+
+    # ---- blocking ----
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, request_id: str | None = None, use_tqdm: bool | None = None):
+        """A string (or one list of token ids) gives one RequestOutput; a list of prompts
+        gives a list of RequestOutputs in input order."""
+        if _is_single(prompts) or not isinstance(prompts, (list, tuple)):  # the engine checks its type
+            return self._engine.add_request(prompts, _one(params), request_id).result()
+        prompts = list(prompts)
+        if request_id is not None:
+            raise ValueError("request_id applies to a single prompt; a list gets generated ids")
+        per = _per_prompt(params, len(prompts))
+        streams = []
+        try:
+            for p, sp in zip(prompts, per):
+                streams.append(self._engine.add_request(p, sp))
+            bar = _progress(len(streams), use_tqdm)
+            outputs = []
+            for s in streams:
+                outputs.append(s.result())
+                if bar is not None:
+                    bar.update(1)
+            if bar is not None:
+                bar.close()
+            return outputs
+        except BaseException:
+            for s in streams:
+                if s.output is None:
+                    self._engine.abort(s.request_id)
+            raise
+
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None, **kw):
+        """One conversation ([{"role", "content"}, ...]) or a list of them, through the chat template."""
+        if messages and isinstance(messages[0], list):
+            return self.generate([self.apply_chat_template(m) for m in messages], params, **kw)
+        return self.generate(self.apply_chat_template(messages), params, **kw)
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
+               request_id: str | None = None) -> Iterator[StreamDelta]:
+        """Yields StreamDeltas; the last has finish_reason set and the whole output.
+        Leaving the loop early aborts the request."""
+        s = self._engine.add_request(prompt, _one(params), request_id)
+        try:
+            yield from s
+        finally:
+            if s.output is None:
+                self._engine.abort(s.request_id)
+
+    # ---- asyncio ----
+    async def agenerate(self, prompt: Prompt, params: SamplingParams | None = None, *,
+                        request_id: str | None = None) -> RequestOutput:
+        s = self._engine.add_request(prompt, _one(params), request_id, asyncio.get_running_loop())
+        try:
+            return await s.aresult()
+        except BaseException:  # cancelled: stop generating for nobody
+            if s.output is None:
+                self._engine.abort(s.request_id)
+            raise
+
+    async def astream(self, prompt: Prompt, params: SamplingParams | None = None, *,
+                      request_id: str | None = None) -> AsyncIterator[StreamDelta]:
+        s = self._engine.add_request(prompt, _one(params), request_id, asyncio.get_running_loop())
+        try:
+            async for delta in s:
+                yield delta
+        finally:
+            if s.output is None:
+                self._engine.abort(s.request_id)
+
+    def abort(self, request_id: str) -> bool:
+        return self._engine.abort(request_id)
+
+    def stats(self) -> dict:
+        return self._engine.stats()
+
+    def metrics_text(self) -> bytes:
+        """The engine's Prometheus metrics, in the text exposition format."""
+        return self._engine.metrics_text()
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        """The prompt text the model's chat template makes of a conversation."""
+        return self._engine.apply_chat_template(messages)
+
+    # ---- lifetime ----
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._engine.shutdown()
+        if self._owns_ray:
+            import ray
+
+            ray.shutdown()
+
+    def __enter__(self) -> "LLMHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _is_single(prompts) -> bool:
+    if isinstance(prompts, str):
+        return True
+    return isinstance(prompts, (list, tuple)) and bool(prompts) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompts)
+
+
+def _one(params):
+    if params is not None and not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    return params
+
+
+def _per_prompt(params, n: int) -> list:
+    if params is None or isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"params has {len(params)} entries for {n} prompts")
+    return [_one(p) for p in params]
+
+
+def _progress(total: int, use_tqdm: bool | None):
+    if use_tqdm is False or (use_tqdm is None and not sys.stderr.isatty()) or total < 2:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req")

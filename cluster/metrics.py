@@ -1,0 +1,69 @@
+"""Prometheus metrics of one engine, in a registry of its own.
+
+Counters and histograms are updated as requests finish; gauges (running, waiting, KV
+usage, prefix-cache hit rate, bytes pulled per decode step) are read from the engine's
+stats when scraped."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+
+
+class _StatsCollector:
+    def __init__(self, stats_fn):
+        self._stats_fn = stats_fn
+
+    def collect(self):
+        s = self._stats_fn()
+        gauges = [
+            ("raylm_requests_running", "Requests being generated", s.get("num_running", 0)),
+            ("raylm_requests_waiting", "Requests waiting to be scheduled", s.get("num_waiting", 0)),
+            ("raylm_kv_cache_usage_ratio", "Fraction of KV blocks in use",
+             s.get("kv_blocks_used", 0) / s["kv_blocks_total"] if s.get("kv_blocks_total") else 0.0),
+            ("raylm_kv_blocks_used", "KV blocks in use", s.get("kv_blocks_used", 0)),
+            ("raylm_kv_blocks_total", "KV blocks in the pools", s.get("kv_blocks_total", 0)),
+            ("raylm_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / queried",
+             s.get("prefix_hit_rate", 0.0)),
+            ("raylm_bytes_pulled_per_decode_step", "Mean bytes a decode step returns from a worker",
+             s.get("bytes_pulled_per_decode_step", 0.0)),
+            ("raylm_replicas_alive", "Replicas serving", s.get("replicas_alive", 0)),
+        ]
+        for name, doc, value in gauges:
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], float(value))
+            yield g
+        for name, doc, key in [
+            ("raylm_prompt_tokens", "Prompt tokens computed", "prompt_tokens"),
+            ("raylm_generation_tokens", "Tokens generated", "generated_tokens"),
+            ("raylm_preemptions", "Requests preempted for recompute", "num_preemptions"),
+            ("raylm_worker_restarts", "Worker actors restarted after a failure", "worker_restarts"),
+            ("raylm_bytes_pulled", "Bytes returned by workers", "bytes_pulled"),
+        ]:
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], float(s.get(key, 0)))
+            yield c
+
+
+class EngineMetrics:
+    def __init__(self, stats_fn):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.requests = Counter("raylm_requests", "Finished requests by finish reason", ["finish_reason"],
+                                registry=self.registry)
+        self.ttft = Histogram("raylm_time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("raylm_time_per_output_token_seconds", "Mean time per output token after the first",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_StatsCollector(stats_fn))
+
+    def observe_finished(self, finish_reason: str, ttft: float | None, tpot: float | None) -> None:
+        self.requests.labels(finish_reason=finish_reason).inc()
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if tpot is not None:
+            self.tpot.observe(tpot)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,89 @@
+"""Placement groups and device resources for worker actors.
+
+Each replica's workers live in one placement group. A worker asks for one unit of its
+accelerator resource ("NPU" or "GPU"; Ray then sets ASCEND_RT_VISIBLE_DEVICES or
+CUDA_VISIBLE_DEVICES for it) plus CPUs for its threads. Where the cluster has several
+nodes that can hold a replica, replicas are pinned round-robin to different nodes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from workers.device import ray_resource_key
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerResources:
+    num_cpus: float
+    accelerator: str | None  # Ray resource name, one unit per worker
+
+    def bundle(self) -> dict[str, float]:
+        b = {"CPU": float(self.num_cpus)} if self.num_cpus else {}
+        if self.accelerator:
+            b[self.accelerator] = 1.0
+        return b
+
+
+def worker_resources(device: str, threads: int, accelerator_resource: str | None) -> WorkerResources:
+    accelerator = accelerator_resource or ray_resource_key(device)
+    # CPU workers reserve a core per thread; accelerator workers need one host core.
+    num_cpus = threads if device == "cpu" else 1
+    return WorkerResources(num_cpus=num_cpus, accelerator=accelerator)
+
+
+def default_threads(num_replicas: int) -> int:
+    """Torch threads per CPU worker so that replicas don't fight over cores."""
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    return max(1, cpus // num_replicas)
+
+
+def _spread_nodes(resources: WorkerResources, num_replicas: int) -> list[str | None]:
+    """A node address per replica, round-robin over nodes that fit a worker; None: let Ray pick."""
+    bundle = resources.bundle()
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    fitting = [n["NodeManagerAddress"] for n in nodes
+               if all(n.get("Resources", {}).get(k, 0) >= v for k, v in bundle.items())]
+    if len(fitting) < 2:
+        return [None] * num_replicas
+    return [fitting[i % len(fitting)] for i in range(num_replicas)]
+
+
+def create_replica_groups(resources: WorkerResources, num_replicas: int, timeout_s: float):
+    """One ready placement group per replica (one bundle: one worker), or a clear error."""
+    groups = []
+    for node_ip in _spread_nodes(resources, num_replicas):
+        bundle = resources.bundle()
+        if node_ip is not None:
+            bundle[f"node:{node_ip}"] = 0.001
+        groups.append(placement_group([bundle], strategy="STRICT_PACK"))
+    for i, pg in enumerate(groups):
+        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+        if not ready:
+            for g in groups:
+                remove_placement_group(g)
+            raise RuntimeError(
+                f"could not place replica {i}: each worker needs {resources.bundle()}, "
+                f"the cluster has {ray.cluster_resources()} (available now: {ray.available_resources()}); "
+                f"lower num_replicas or threads_per_worker, or add nodes"
+            )
+    return groups
+
+
+def scheduling_strategy(pg) -> PlacementGroupSchedulingStrategy:
+    return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)
+
+
+def release(pg) -> None:
+    try:
+        remove_placement_group(pg)
+    except Exception as e:  # already gone with the cluster
+        log.debug("removing placement group failed: %s", e)
+

@@ -1,0 +1,228 @@
+"""Replica: one worker actor, its Scheduler, and the driver loop between them.
+
+The loop runs on its own thread. It keeps up to `pipeline_depth` steps in flight: plan
+N+1 is sent before result N is back, its decode rows taking the worker's resident
+tokens, so the worker never waits on the driver. An idle replica blocks on an Event (no
+polling). A worker that dies, raises or hangs past the step timeout is replaced and every
+unfinished request is recomputed from its prompt and the tokens it already has; after
+`max_worker_restarts` failed attempts the replica's requests finish with an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from cluster.config import EngineConfig
+from cluster.placement import release, scheduling_strategy
+from scheduler.protocol import StepResult, pack_int32, sampled_on_device
+from scheduler.request import Request
+from scheduler.scheduler import RequestUpdate, Scheduler, SchedulerConfig
+from workers.actor import RemoteWorker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReplicaStats:
+    steps: int = 0
+    decode_steps: int = 0
+    decode_rows: int = 0
+    bytes_pulled: int = 0
+    decode_bytes_pulled: int = 0
+    worker_time_s: float = 0.0
+    restarts: int = 0
+
+
+class Replica:
+    def __init__(self, index: int, config: EngineConfig, runner_config: dict, resources, pg,
+                 on_updates, host_sampler=None):
+        self.index = index
+        self.config = config
+        self._runner_config = runner_config
+        self._resources = resources
+        self._pg = pg
+        self._on_updates = on_updates  # called on the loop thread with (replica, [RequestUpdate])
+        self._host_sampler = host_sampler  # a workers.sampler.Sampler when the driver samples
+        self._depth = config.pipeline_depth if host_sampler is None else 1
+        self.lock = threading.RLock()  # guards the scheduler
+        self._wakeup = threading.Event()
+        self._stopping = False
+        self.dead = False
+        self.worker = None
+        self.info: dict = {}
+        self.scheduler: Scheduler | None = None
+        self.stats = ReplicaStats()
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle ----
+    def start(self) -> None:
+        self.info = self._start_worker()
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_blocks=self.info["num_kv_blocks"],
+            block_size=self.config.block_size,
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_model_len=self.info["max_model_len"],
+            enable_prefix_caching=self.config.enable_prefix_caching,
+        ))
+        self._thread = threading.Thread(target=self._loop, name=f"raylm-replica-{self.index}", daemon=True)
+        self._thread.start()
+
+    def _start_worker(self) -> dict:
+        self.worker = RemoteWorker.options(
+            num_cpus=self._resources.num_cpus,
+            resources={self._resources.accelerator: 1} if self._resources.accelerator else None,
+            scheduling_strategy=scheduling_strategy(self._pg),
+        ).remote()
+        return ray.get(self.worker.start.remote(self._runner_config), timeout=self.config.start_timeout_s)
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self._kill_worker()
+        release(self._pg)
+
+    def _kill_worker(self) -> None:
+        if self.worker is not None:
+            try:
+                ray.kill(self.worker, no_restart=True)
+            except Exception as e:  # already dead
+                log.debug("killing worker failed: %s", e)
+            self.worker = None
+
+    # ---- requests (any thread) ----
+    def add(self, request: Request) -> None:
+        with self.lock:
+            if self.dead:
+                raise RuntimeError(f"replica {self.index} is down")
+            self.scheduler.add_request(request)
+        self._wakeup.set()
+
+    def abort(self, request_id: str) -> Request | None:
+        with self.lock:
+            req = self.scheduler.abort(request_id)
+        self._wakeup.set()
+        return req
+
+    def finish(self, request_id: str, reason) -> None:
+        with self.lock:
+            self.scheduler.finish(request_id, reason)
+        self._wakeup.set()
+
+    def load(self) -> int:
+        with self.lock:
+            return self.scheduler.outstanding_tokens()
+
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        with self.lock:
+            return self.scheduler.cached_prefix_tokens(token_ids)
+
+    def num_waiting(self) -> int:
+        with self.lock:
+            return self.scheduler.num_waiting
+
+    # ---- the loop (its own thread) ----
+    def _loop(self) -> None:
+        inflight: deque = deque()  # (plan, ObjectRef)
+        while not self._stopping:
+            with self.lock:
+                while len(inflight) < self._depth and not self.dead:
+                    plan = self.scheduler.schedule()
+                    if plan is None:
+                        break
+                    inflight.append((plan, self.worker.execute.remote(plan.to_bytes())))
+            if not inflight:
+                self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            plan, ref = inflight.popleft()
+            try:
+                data = ray.get(ref, timeout=self.config.step_timeout_s)
+            except (RayActorError, RayTaskError, GetTimeoutError) as e:
+                inflight.clear()
+                self._recover(e)
+                continue
+            self._apply(plan, data)
+
+    def _apply(self, plan, data: bytes) -> None:
+        result = StepResult.from_bytes(data)
+        s = self.stats
+        s.steps += 1
+        s.bytes_pulled += len(data)
+        s.worker_time_s += result.step_time
+        if plan.rows and all(r.token is not None for r in plan.rows):
+            s.decode_steps += 1
+            s.decode_rows += len(plan.rows)
+            s.decode_bytes_pulled += len(data)
+        with self.lock:  # held through on_updates: one request's state changes under one lock
+            if not sampled_on_device(result):
+                self._sample_on_driver(result)
+            updates: list[RequestUpdate] = self.scheduler.update(result)
+            if updates:
+                self._on_updates(self, updates)
+
+    def _sample_on_driver(self, result: StepResult) -> None:
+        from workers.sampler import sample_host  # torch on the driver only in host-logits mode
+
+        rows = self.scheduler.sampling_rows(result.step_id)
+        ids, logprobs = sample_host(result, rows, self._host_sampler)
+        result.token_ids = pack_int32(ids)
+        result.logprobs = logprobs
+
+    def _recover(self, error: Exception) -> None:
+        """The worker is dead, raised, or hung: replace it and recompute."""
+        log.warning("replica %d: worker failed (%s: %s); restarting", self.index, type(error).__name__, error)
+        while not self._stopping:
+            self._kill_worker()
+            self.stats.restarts += 1
+            if self.stats.restarts > self.config.max_worker_restarts:
+                self._give_up(f"worker failed {self.stats.restarts} times; last error: {type(error).__name__}: {error}")
+                return
+            try:
+                self._start_worker()
+            except Exception as e:  # the replacement failed to start: try again
+                error = e
+                log.warning("replica %d: restart failed: %s", self.index, e)
+                continue
+            with self.lock:
+                self.scheduler.recover()
+            return
+
+    def _give_up(self, message: str) -> None:
+        log.error("replica %d: giving up: %s", self.index, message)
+        with self.lock:
+            self.dead = True
+            failed = self.scheduler.fail_all(message)
+            self._on_updates(self, [RequestUpdate(r, [], [], True) for r in failed])
+
+    def worker_stats(self) -> dict:
+        try:
+            return ray.get(self.worker.stats.remote(), timeout=10) if self.worker is not None else {}
+        except Exception as e:
+            return {"error": str(e)}
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            sched = self.scheduler.stats()
+        s = self.stats
+        return {
+            "replica": self.index,
+            "alive": not self.dead,
+            **sched,
+            "steps_returned": s.steps,
+            "decode_steps": s.decode_steps,
+            "bytes_pulled": s.bytes_pulled,
+            "decode_bytes_pulled": s.decode_bytes_pulled,
+            "decode_rows": s.decode_rows,
+            "worker_time_s": s.worker_time_s,
+            "worker_restarts": s.restarts,
+            "info": self.info,
+        }

@@ -1,0 +1,265 @@
+"""OpenAI-compatible HTTP in front of an LLMHandle (FastAPI + uvicorn).
+
+/v1/completions, /v1/chat/completions (SSE streaming), /v1/models, /health (503 until
+the model is loaded) and /metrics (Prometheus). Errors are OpenAI's error JSON:
+400 bad input (naming the field and value), 401 bad or missing API key, 404 unknown
+model or route, 413 body over the limit, 429 queue full, 503 not ready or no replica.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster import openai_api as oa
+from cluster.errors import EngineDeadError, EngineOverloadedError
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(oa.error_body(str(self), self.kind, self.param, self.code), status_code=self.status)
+
+
+def _from_exception(e: BaseException) -> ApiError:
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, EngineOverloadedError):
+        return ApiError(429, str(e), "rate_limit_error")
+    if isinstance(e, EngineDeadError):
+        return ApiError(503, str(e), "service_unavailable")
+    if isinstance(e, ValueError):
+        return ApiError(400, str(e))
+    return ApiError(500, f"{type(e).__name__}: {e}", "internal_error")
+
+
+class BodyLimit:
+    """ASGI middleware: refuse bodies over `limit` bytes, by header and by count."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_big = ApiError(413, f"request body is larger than the limit of {self.limit} bytes",
+                           param="body", code="body_too_large").response()
+        for k, v in scope.get("headers", []):
+            if k == b"content-length" and v.isdigit() and int(v) > self.limit:
+                return await too_big(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise ApiError(413, f"request body is larger than the limit of {self.limit} bytes",
+                               param="body", code="body_too_large")
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except ApiError as e:
+            await e.response()(scope, receive, send)
+
+
+class ServerState:
+    """What the routes serve from; `handle` is None until the engine is loaded."""
+
+    def __init__(self, model_names: list[str], api_key: str | None, max_tokens_default: int = 16):
+        self.handle = None
+        self.model_names = model_names
+        self.api_key = api_key
+        self.max_tokens_default = max_tokens_default
+        self.startup_error: str | None = None
+
+
+def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    app = FastAPI(title="raylm", docs_url=None, redoc_url=None)
+    app.state.raylm = state
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_req, exc: StarletteHTTPException):
+        return ApiError(exc.status_code, str(exc.detail), "invalid_request_error").response()
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_req, exc: ApiError):
+        return exc.response()
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if request.url.path.startswith("/v1") and state.api_key:
+            given = request.headers.get("authorization", "")
+            expected = f"Bearer {state.api_key}"
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                return ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                code="invalid_api_key").response()
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if state.handle is None:
+            msg = state.startup_error or "model is loading"
+            return ApiError(503, msg, "service_unavailable").response()
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        if state.handle is None:
+            return Response(b"", media_type="text/plain; version=0.0.4")
+        return Response(state.handle.metrics_text(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "raylm"}
+                                           for n in state.model_names]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _parse(request, oa.CompletionRequest, state)
+        handle = _ready(state)
+        params = _params(body, state, body.logprobs)
+        prompts = body.prompts()
+        rid = oa.new_id("cmpl")
+        if body.stream:
+            if len(prompts) != 1:
+                raise ApiError(400, f"streaming takes one prompt, got {len(prompts)}", param="prompt")
+            return await _stream(handle.astream(prompts[0], params), _completion_events(rid, body))
+        try:
+            outs = [await handle.agenerate(p, params) for p in prompts]
+        except Exception as e:
+            raise _from_exception(e) from e
+        _raise_if_failed(outs)
+        return oa.completion_response(rid, body.model, outs)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await _parse(request, oa.ChatCompletionRequest, state)
+        handle = _ready(state)
+        if body.max_tokens is None and body.max_completion_tokens is not None:
+            body.max_tokens = body.max_completion_tokens
+        try:
+            params = _params(body, state, body.logprobs_n())
+            prompt = handle.apply_chat_template(body.chat_messages())
+        except Exception as e:
+            raise _from_exception(e) from e
+        rid = oa.new_id("chatcmpl")
+        if body.stream:
+            return await _stream(handle.astream(prompt, params), _chat_events(rid, body))
+        try:
+            out = await handle.agenerate(prompt, params)
+        except Exception as e:
+            raise _from_exception(e) from e
+        _raise_if_failed([out])
+        return oa.chat_response(rid, body.model, out)
+
+    return BodyLimit(app, max_body_bytes)
+
+
+async def _parse(request: Request, model, state: ServerState):
+    raw = await request.body()
+    try:
+        body = model.model_validate_json(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        if err["type"] == "json_invalid":
+            raise ApiError(400, f"body is not valid JSON: {err['msg']}", param="body") from None
+        field = ".".join(str(x) for x in err["loc"]) or "body"
+        value = err.get("input")
+        shown = json.dumps(value)[:200] if not isinstance(value, dict) else "(object)"
+        raise ApiError(400, f"{field}: {err['msg']}, got {shown}", param=field) from None
+    if body.model not in state.model_names:
+        raise ApiError(404, f"model {body.model!r} does not exist; this server serves {state.model_names}",
+                       param="model", code="model_not_found")
+    bad = body.unsupported()
+    if bad is not None:
+        raise ApiError(400, f"{bad[0]}={bad[1]!r} is not supported by raylm", param=bad[0])
+    return body
+
+
+def _ready(state: ServerState):
+    if state.handle is None:
+        raise ApiError(503, state.startup_error or "model is loading; retry shortly", "service_unavailable")
+    return state.handle
+
+
+def _params(body, state: ServerState, logprobs):
+    try:
+        return body.sampling_params(state.max_tokens_default, logprobs)
+    except ValueError as e:
+        field = str(e).split(" ", 1)[0]
+        raise ApiError(400, str(e), param=field) from None
+
+
+def _raise_if_failed(outs) -> None:
+    for o in outs:
+        if o.finish_reason == "error":
+            raise ApiError(503, f"generation failed: {o.error}", "service_unavailable")
+
+
+async def _stream(deltas, render):
+    """Start the request (so bad input is a plain 400), then stream SSE events."""
+    try:
+        first = await deltas.__anext__()
+    except Exception as e:
+        raise _from_exception(e) from e
+
+    async def events():
+        try:
+            async for chunk in render(first, deltas):
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away: aclose aborts the request
+            await deltas.aclose()
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _completion_events(rid: str, body):
+    async def render(first, deltas):
+        created, offset = int(time.time()), 0
+        async for d in _chain(first, deltas):
+            if d.finish_reason == "error":
+                yield oa.error_body(f"generation failed: {d.output.error}", "service_unavailable")
+                return
+            yield oa.completion_chunk(rid, body.model, created, d, offset)
+            offset += len(d.text)
+            if d.finished and body.include_usage:
+                yield oa.usage_chunk(rid, "text_completion", body.model, created,
+                                     d.output.num_prompt_tokens, len(d.output.token_ids))
+    return render
+
+
+def _chat_events(rid: str, body):
+    async def render(first, deltas):
+        created = int(time.time())
+        yield oa.chat_chunk(rid, body.model, created, {"role": "assistant", "content": ""})
+        async for d in _chain(first, deltas):
+            if d.finish_reason == "error":
+                yield oa.error_body(f"generation failed: {d.output.error}", "service_unavailable")
+                return
+            yield oa.chat_chunk(rid, body.model, created, {"content": d.text} if d.text else {}, d.logprobs,
+                                d.finish_reason)
+            if d.finished and body.include_usage:
+                yield oa.usage_chunk(rid, "chat.completion.chunk", body.model, created,
+                                     d.output.num_prompt_tokens, len(d.output.token_ids))
+    return render
+
+
+async def _chain(first, rest):
+    yield first
+    async for d in rest:
+        yield d
