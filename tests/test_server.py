@@ -1,0 +1,167 @@
+"""`raylm serve` as a user meets it: a detached engine actor, the HTTP server, the
+official openai client, and cluster.connect() from another handle."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+import cluster
+from cluster import SamplingParams
+from cluster.remote import launch_detached
+from cluster.server import ServerState, build_app
+
+pytestmark = pytest.mark.ray
+
+KEY = "sk-test-raylm"
+NAME = "test-engine"
+MODEL = "tiny-qwen3"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(ray_session):
+    import uvicorn
+
+    actor, started = launch_detached(cluster.EngineConfig(num_kv_blocks=64, threads_per_worker=1), NAME)
+    state = ServerState([MODEL], KEY)
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(build_app(state, max_body_bytes=4096), host="127.0.0.1", port=port,
+                                        log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while not srv.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    loading = httpx.get(f"{base}/health")
+    ray_session.get(started)
+    state.handle = cluster.connect(NAME)
+    yield {"base": base, "state": state, "loading_status": loading.status_code}
+    srv.should_exit = True
+    thread.join(timeout=10)
+    ray_session.kill(actor, no_restart=True)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server["base"] + "/v1", api_key=KEY, max_retries=0)
+
+
+def test_health_is_503_until_loaded_then_200(server):
+    assert server["loading_status"] == 503
+    assert httpx.get(server["base"] + "/health").status_code == 200
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completion_matches_the_python_handle(server, client):
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0)
+    direct = server["state"].handle.generate("Once upon a time", SamplingParams(max_tokens=12, temperature=0))
+    assert r.choices[0].text == direct.text
+    assert r.usage.completion_tokens == len(direct.token_ids)
+    assert r.usage.prompt_tokens == direct.num_prompt_tokens
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_chat_and_streaming_with_usage(client):
+    msgs = [{"role": "user", "content": "北京故宫是"}]
+    whole = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [whole.choices[0].finish_reason]
+
+
+def test_streamed_completion_joins_to_the_whole(client):
+    whole = client.completions.create(model=MODEL, prompt="Hello", max_tokens=20, temperature=0)
+    parts = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=20, temperature=0, stream=True))
+    assert "".join(p.choices[0].text for p in parts) == whole.choices[0].text
+
+
+def test_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == 5 and all(len(t) == 3 for t in lp.top_logprobs)
+    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert val <= 0 and max(top.values()) == pytest.approx(val, abs=1e-4)  # greedy took the best
+    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    assert len(c.choices[0].logprobs.content) == len(c.choices[0].logprobs.content) == c.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 for t in c.choices[0].logprobs.content)
+
+
+def test_auth_is_required_on_v1(server):
+    anon = openai.OpenAI(base_url=server["base"] + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        anon.models.list()
+    r = httpx.get(server["base"] + "/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -1.0), ("top_p", 0), ("top_p", 1.5), ("top_k", -2), ("max_tokens", 0),
+    ("logprobs", 21), ("temperature", "hot"), ("stop", 5), ("n", 2), ("max_tokens", 10**6),
+])
+def test_bad_fields_get_400_naming_the_field(server, client, field, value):
+    kwargs = {"extra_body": {field: value}} if field == "top_k" else {field: value}  # top_k: a vLLM extension
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Hello", **kwargs)
+    assert field in str(e.value)
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_unknown_model_bad_json_and_big_body(server, client):
+    with pytest.raises(openai.NotFoundError, match="no-such-model"):
+        client.completions.create(model="no-such-model", prompt="Hello")
+    h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    r = httpx.post(server["base"] + "/v1/completions", content=b"{not json", headers=h)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(server["base"] + "/v1/completions", headers=h,
+                   content=json.dumps({"model": MODEL, "prompt": "x" * 10000}).encode())
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+    r = httpx.post(server["base"] + "/v1/completions", headers=h, content=json.dumps({"model": MODEL}).encode())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_metrics_count_requests_by_finish_reason(server, client):
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0,
+                              extra_body={"ignore_eos": True})
+    text = httpx.get(server["base"] + "/metrics").text
+    lines = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
+    assert lines['raylm_requests_total{finish_reason="length"}'] >= 1
+    assert lines["raylm_time_to_first_token_seconds_count"] >= 1
+    for g in ("raylm_requests_running", "raylm_requests_waiting", "raylm_kv_cache_usage_ratio",
+              "raylm_prefix_cache_hit_rate", "raylm_bytes_pulled_per_decode_step"):
+        assert g in lines
+
+
+def test_connect_gives_a_full_handle(server):
+    h = cluster.connect(NAME)
+    out = h.generate("Hello", SamplingParams(max_tokens=4, temperature=0))
+    assert len(out.token_ids) == 4
+    deltas = list(h.stream("Hello", SamplingParams(max_tokens=4, temperature=0)))
+    assert "".join(d.text for d in deltas) == out.text
+    assert h.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2)).finish_reason
+    assert h.stats()["generated_tokens"] >= 4
+    with pytest.raises(ValueError, match="max_tokens"):
+        h.generate("Hello", SamplingParams(max_tokens=10**6))
+    with pytest.raises(ValueError, match="no raylm engine"):
+        cluster.connect("no-such-engine")
