@@ -1,0 +1,178 @@
+"""Faults, bad input and overload: nothing accepted is lost, nothing bad reaches a worker."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import pickle
+import threading
+import time
+
+import pytest
+
+import cluster
+from cluster import EngineOverloadedError, SamplingParams
+from scheduler.protocol import ProtocolError, StepPlan, StepResult
+from tests.oracle import hf_greedy
+from workers.loader import bundled_model_path, eos_token_ids, load_tokenizer
+
+pytestmark = pytest.mark.ray
+
+PROMPTS = ["北京故宫是", "Hello there", "The quick brown fox jumps over the lazy dog", "Once upon a time",
+           "def add(a, b):"]
+N = 20
+
+
+@pytest.fixture(scope="module")
+def expected():
+    path = bundled_model_path()
+    tok = load_tokenizer(path)
+    ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
+    return hf_greedy(path, ids, N, stop_ids=frozenset(eos_token_ids(path)))
+
+
+def _generate_in_background(llm, prompts, params):
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("outs", llm.generate(prompts, params)), daemon=True)
+    t.start()
+    return t, box
+
+
+def _wait_for_tokens(llm, n=1, timeout=60):
+    deadline = time.monotonic() + timeout
+    while llm.stats()["generated_tokens"] < n:
+        assert time.monotonic() < deadline, "generation never started"
+        time.sleep(0.01)
+
+
+GREEDY = SamplingParams(max_tokens=N, temperature=0)
+SEEDED = SamplingParams(max_tokens=N, temperature=1.0, top_k=50, seed=1234)
+
+
+def test_killed_worker_is_replaced_and_outputs_are_unchanged(ray_session, expected):
+    with cluster.launch(num_kv_blocks=64, threads_per_worker=1) as llm:
+        t, box = _generate_in_background(llm, PROMPTS, GREEDY)
+        _wait_for_tokens(llm, llm.stats()["generated_tokens"] + 3)
+        ray_session.kill(llm._engine.replicas[0].worker, no_restart=True)
+        t.join(timeout=120)
+        stats = llm.stats()
+    assert [o.token_ids for o in box["outs"]] == expected
+    assert [o.finish_reason for o in box["outs"]] == [("stop" if len(e) < N else "length") for e in expected]
+    assert stats["worker_restarts"] == 1
+    assert stats["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("kind", ["exit", "raise"])
+def test_worker_failing_inside_a_step_recovers_greedy_and_seeded(ray_session, expected, kind):
+    with cluster.launch(num_kv_blocks=64, threads_per_worker=1) as llm:
+        clean_seeded = [o.token_ids for o in llm.generate(PROMPTS, SEEDED)]
+        ray_session.get(llm._engine.replicas[0].worker.arm_fault.remote(kind, after_steps=4))
+        greedy = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        ray_session.get(llm._engine.replicas[0].worker.arm_fault.remote(kind, after_steps=6))
+        seeded = [o.token_ids for o in llm.generate(PROMPTS, SEEDED)]
+        stats = llm.stats()
+    assert greedy == expected
+    assert seeded == clean_seeded
+    assert stats["worker_restarts"] == 2
+
+
+def test_hung_worker_is_detected_by_the_step_timeout(ray_session, expected):
+    with cluster.launch(num_kv_blocks=64, threads_per_worker=1, step_timeout_s=3.0) as llm:
+        llm.generate("warm", SamplingParams(max_tokens=2))  # compile/warm paths outside the timed window
+        ray_session.get(llm._engine.replicas[0].worker.arm_fault.remote("sleep", after_steps=3, seconds=600))
+        t0 = time.monotonic()
+        outs = llm.generate(PROMPTS, GREEDY)
+        elapsed = time.monotonic() - t0
+        stats = llm.stats()
+    assert [o.token_ids for o in outs] == expected
+    assert stats["worker_restarts"] == 1
+    assert elapsed < 60
+
+
+def test_after_the_restart_budget_requests_fail_and_other_replicas_serve(ray_session):
+    with cluster.launch(num_replicas=2, num_kv_blocks=64, threads_per_worker=1, max_worker_restarts=1) as llm:
+        rep0 = llm._engine.replicas[0]
+        ray_session.get(rep0.worker.arm_fault.remote("exit", after_steps=2))
+        long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        streams = [llm._engine.add_request(p, long) for p in PROMPTS]
+        on_rep0 = [s for s, p in zip(streams, PROMPTS) if llm._engine._requests[s.request_id].replica is rep0]
+        assert on_rep0, "routing should have given replica 0 some requests"
+        # The replacement dies too: the budget of one restart is spent.
+        deadline = time.monotonic() + 60
+        while rep0.stats.restarts < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        while rep0.worker is None:
+            time.sleep(0.01)
+        ray_session.kill(rep0.worker, no_restart=True)
+        outs = [s.result() for s in streams]
+        after = llm.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0))
+        stats = llm.stats()
+    failed = [o for o in outs if o.finish_reason == "error"]
+    assert failed and all("failed" in o.error for o in failed)
+    assert len(failed) == len(on_rep0)
+    assert all(o.finish_reason == "length" for o in outs if o not in failed)
+    assert all(len(o.token_ids) == 4 for o in after)
+    assert stats["replicas_alive"] == 1
+
+
+def test_overload_completes_or_refuses_every_request(ray_session):
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    with cluster.launch(num_kv_blocks=24, block_size=4, max_num_seqs=16, max_waiting_requests=600,
+                        threads_per_worker=1) as llm:
+
+        async def flood():
+            return await asyncio.gather(*[llm.agenerate(f"request {i} " * (1 + i % 5), params) for i in range(1000)],
+                                        return_exceptions=True)
+
+        results = asyncio.run(flood())
+        stats = llm.stats()
+        leftover = len(llm._engine._requests)
+    refused = [r for r in results if isinstance(r, EngineOverloadedError)]
+    done = [r for r in results if not isinstance(r, BaseException)]
+    assert len(refused) + len(done) == 1000
+    assert refused and done
+    assert all(len(r.token_ids) == 4 and r.finish_reason == "length" for r in done)
+    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats["num_preemptions"] > 0
+    assert leftover == 0
+
+
+@pytest.mark.parametrize("prompt,params,field", [
+    ("", None, "prompt"),
+    ("word " * 300, None, "max_model_len"),
+    (42, None, "prompt"),
+    ("Hello", dict(max_tokens=0), "max_tokens"),
+    ("Hello", dict(max_tokens=10**6), "max_tokens"),
+    ("Hello", dict(temperature=-0.5), "temperature"),
+    ("Hello", dict(temperature=math.nan), "temperature"),
+    ("Hello", dict(top_p=0.0), "top_p"),
+    ("Hello", dict(top_p=1.01), "top_p"),
+    ("Hello", dict(top_k=-2), "top_k"),
+    ("Hello", dict(logprobs=21), "logprobs"),
+    ("Hello", dict(stop=[1, 2]), "stop"),
+    ("Hello", dict(max_tokens="8"), "max_tokens"),
+])
+def test_bad_input_names_the_field_and_never_reaches_a_worker(ray_session, prompt, params, field, bad_input_engine):
+    llm = bad_input_engine
+    before = llm.stats()
+    with pytest.raises(ValueError, match=field):
+        llm.generate(prompt, SamplingParams(**params) if params else None)
+    after = llm.stats()
+    assert after["steps"] == before["steps"] and after["worker_restarts"] == 0
+    assert len(llm.generate("Hello", SamplingParams(max_tokens=2)).token_ids) >= 1
+
+
+@pytest.fixture(scope="module")
+def bad_input_engine(ray_session):
+    with cluster.launch(num_kv_blocks=32, max_model_len=256, threads_per_worker=1) as llm:
+        yield llm
+
+
+def test_protocol_refuses_pickles_and_garbage():
+    evil = pickle.dumps({"step_id": 1})
+    for data in (evil, b"", b"\xc1", b"\x93\x01\x02\x03"):
+        with pytest.raises(ProtocolError):
+            StepPlan.from_bytes(data)
+        with pytest.raises(ProtocolError):
+            StepResult.from_bytes(data)
