@@ -123,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-body-bytes", type=int, default=1 << 20)
     s.set_defaults(func=cmd_serve)
 
+    from cluster import bench
+
+    bench.add_parser(sub)
+
     a = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
