@@ -8,6 +8,7 @@ state is only ever touched under its replica's lock.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -134,6 +135,8 @@ class Engine:
         text, ids = self.tokenize(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}")
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"max_tokens={params.max_tokens} plus the prompt's {len(ids)} tokens exceeds "

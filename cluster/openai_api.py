@@ -56,7 +56,7 @@ class _Common(BaseModel):
             return "logit_bias", self.logit_bias
         return None
 
-    def sampling_params(self, max_tokens_default: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens_default: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
             max_tokens=self.max_tokens if self.max_tokens is not None else max_tokens_default,
             min_tokens=self.min_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,

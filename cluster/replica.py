@@ -37,6 +37,7 @@ class ReplicaStats:
     decode_bytes_pulled: int = 0
     worker_time_s: float = 0.0
     restarts: int = 0
+    loop_iterations: int = 0  # passes of the driver loop; flat while idle (it blocks, never polls)
 
 
 class Replica:
@@ -133,6 +134,7 @@ class Replica:
     def _loop(self) -> None:
         inflight: deque = deque()  # (plan, ObjectRef)
         while not self._stopping:
+            self.stats.loop_iterations += 1
             with self.lock:
                 while len(inflight) < self._depth and not self.dead:
                     plan = self.scheduler.schedule()
@@ -224,5 +226,6 @@ class Replica:
             "decode_rows": s.decode_rows,
             "worker_time_s": s.worker_time_s,
             "worker_restarts": s.restarts,
+            "loop_iterations": s.loop_iterations,
             "info": self.info,
         }

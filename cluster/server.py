@@ -21,6 +21,7 @@ from cluster import openai_api as oa
 from cluster.errors import EngineDeadError, EngineOverloadedError
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs until the context is full
 
 
 class ApiError(Exception):
@@ -79,11 +80,10 @@ class BodyLimit:
 class ServerState:
     """What the routes serve from; `handle` is None until the engine is loaded."""
 
-    def __init__(self, model_names: list[str], api_key: str | None, max_tokens_default: int = 16):
+    def __init__(self, model_names: list[str], api_key: str | None):
         self.handle = None
         self.model_names = model_names
         self.api_key = api_key
-        self.max_tokens_default = max_tokens_default
         self.startup_error: str | None = None
 
 
@@ -131,7 +131,7 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
     async def completions(request: Request):
         body = await _parse(request, oa.CompletionRequest, state)
         handle = _ready(state)
-        params = _params(body, state, body.logprobs)
+        params = _params(body, COMPLETIONS_MAX_TOKENS, body.logprobs)
         prompts = body.prompts()
         rid = oa.new_id("cmpl")
         if body.stream:
@@ -152,7 +152,7 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         if body.max_tokens is None and body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
         try:
-            params = _params(body, state, body.logprobs_n())
+            params = _params(body, None, body.logprobs_n())  # None: until the context is full
             prompt = handle.apply_chat_template(body.chat_messages())
         except Exception as e:
             raise _from_exception(e) from e
@@ -196,9 +196,9 @@ def _ready(state: ServerState):
     return state.handle
 
 
-def _params(body, state: ServerState, logprobs):
+def _params(body, max_tokens_default: int | None, logprobs):
     try:
-        return body.sampling_params(state.max_tokens_default, logprobs)
+        return body.sampling_params(max_tokens_default, logprobs)
     except ValueError as e:
         field = str(e).split(" ", 1)[0]
         raise ApiError(400, str(e), param=field) from None

@@ -33,7 +33,7 @@ class SamplingParams:
     n most likely tokens (computed from the model's raw distribution, before filters).
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: as many as fit in max_model_len
     min_tokens: int = 0
     temperature: float = 1.0
     top_k: int = -1
@@ -47,9 +47,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
+        cap = self.max_tokens if self.max_tokens is not None else float("inf")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= cap:
             raise ValueError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                 f"got {self.min_tokens!r}"
@@ -171,6 +172,9 @@ class Request:
             )
         if not isinstance(self.params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams (request {self.request_id!r}), got {self.params!r}")
+        if self.params.max_tokens is None:
+            raise ValueError(f"params.max_tokens must be set before scheduling (request {self.request_id!r}); "
+                             "the engine resolves None to what fits in max_model_len")
         self.eos_token_ids = frozenset(self.eos_token_ids)
 
     @property

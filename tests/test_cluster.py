@@ -5,6 +5,7 @@ HF transformers' greedy generate on the same tiny checkpoint is the oracle."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -140,6 +141,19 @@ def _expected_no_eos(tiny, prompts, n):
     return hf_greedy(path, [tok.encode(p, add_special_tokens=False) for p in prompts], n)
 
 
+def test_idle_engine_does_not_spin(ray_session):
+    with cluster.launch(num_kv_blocks=32, threads_per_worker=1) as llm:
+        llm.generate("Hello", SamplingParams(max_tokens=4))
+        time.sleep(0.2)  # let the loop settle into its wait
+        before = llm.stats()["loop_iterations"]
+        time.sleep(1.0)
+        idle = llm.stats()["loop_iterations"] - before
+        llm.generate("Hello", SamplingParams(max_tokens=4))
+        busy = llm.stats()["loop_iterations"] - before
+    assert idle == 0
+    assert busy > 0
+
+
 def test_faked_npus_get_their_own_visible_devices(ray_session):
     with cluster.launch(num_replicas=2, accelerator_resource="NPU", num_kv_blocks=32, threads_per_worker=1) as llm:
         infos = [r["info"] for r in llm.stats()["replicas"]]
@@ -192,6 +206,8 @@ def test_bad_input_is_refused_and_the_engine_keeps_serving(ray_session):
         with pytest.raises(ValueError, match="top_p"):
             llm.generate("Hello", SamplingParams(top_p=1.5))
         assert len(llm.generate("Hello", SamplingParams(max_tokens=3, temperature=0)).token_ids) == 3
+        fill = llm.generate("Hello", SamplingParams(max_tokens=None, ignore_eos=True))
+        assert fill.num_prompt_tokens + len(fill.token_ids) == 64 and fill.finish_reason == "length"
     with pytest.raises(ValueError, match="num_replicas"):
         cluster.launch(num_replicas=0)
     with pytest.raises(ValueError, match="unknown config"):

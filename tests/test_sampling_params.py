@@ -9,7 +9,7 @@ from scheduler.request import MAX_LOGPROBS, Request, SamplingParams
 from scheduler.scheduler import SchedulerConfig
 
 BAD_PARAMS = [
-    ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 2.0), ("max_tokens", True), ("max_tokens", None),
+    ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 2.0), ("max_tokens", True), ("max_tokens", "8"),
     ("min_tokens", -1), ("min_tokens", 17), ("min_tokens", 1.5),
     ("temperature", -0.1), ("temperature", math.inf), ("temperature", math.nan), ("temperature", "1"),
     ("top_k", -2), ("top_k", 1.0), ("top_k", False),
@@ -31,6 +31,13 @@ def test_each_bad_sampling_param_raises_naming_the_field(field, value):
         SamplingParams(**kwargs)
     assert field in str(e.value)
     assert repr(value) in str(e.value) or str(value) in str(e.value)
+
+
+def test_max_tokens_none_means_what_fits_and_must_be_resolved_before_scheduling():
+    params = SamplingParams(max_tokens=None, min_tokens=100)
+    assert params.max_tokens is None
+    with pytest.raises(ValueError, match="max_tokens"):
+        Request("r", [1, 2, 3], params)
 
 
 def test_top_p_message_reads_like_the_design():
