@@ -64,6 +64,11 @@ def served_model_name(model: str | None) -> str:
     return os.path.basename(os.path.normpath(model)) if model else "tiny-qwen3"
 
 
+def resolve_api_key(flag: str | None) -> str | None:
+    """--api-key, else RAYLM_API_KEY, else no key (then bind only to trusted interfaces)."""
+    return flag or os.environ.get("RAYLM_API_KEY") or None
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     import ray
     import uvicorn
@@ -73,7 +78,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from cluster.server import ServerState, build_app
 
     cfg = cluster.EngineConfig.from_kwargs(**_engine_kwargs(a))
-    api_key = a.api_key or os.environ.get("RAYLM_API_KEY") or None
+    api_key = resolve_api_key(a.api_key)
     cluster.ensure_ray(a.address)
     actor, started = launch_detached(cfg, a.name)
     state = ServerState([a.served_model_name or served_model_name(a.model)], api_key)
@@ -95,7 +100,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raylm", description="Serve Qwen3 from a Ray cluster")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -126,8 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     from cluster import bench
 
     bench.add_parser(sub)
+    return parser
 
-    a = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return a.func(a)

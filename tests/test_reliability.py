@@ -176,3 +176,27 @@ def test_protocol_refuses_pickles_and_garbage():
             StepPlan.from_bytes(data)
         with pytest.raises(ProtocolError):
             StepResult.from_bytes(data)
+
+
+def test_http_overload_is_429_in_openai_error_json(ray_session):
+    import httpx
+
+    from cluster.server import ServerState, build_app
+
+    body = {"model": "m", "prompt": "Hello", "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    with cluster.launch(num_kv_blocks=32, max_num_seqs=1, max_waiting_requests=2, threads_per_worker=1) as llm:
+        state = ServerState(["m"], api_key=None)
+        state.handle = llm
+
+        async def flood():
+            transport = httpx.ASGITransport(app=build_app(state))
+            async with httpx.AsyncClient(transport=transport, base_url="http://raylm", timeout=120) as c:
+                return await asyncio.gather(*[c.post("/v1/completions", json=body) for _ in range(10)])
+
+        responses = asyncio.run(flood())
+        assert llm.stats()["kv_blocks_used"] == 0
+    codes = sorted(r.status_code for r in responses)
+    assert set(codes) == {200, 429}
+    refused = [r.json()["error"] for r in responses if r.status_code == 429]
+    assert all(e["type"] == "rate_limit_error" and "retry" in e["message"] for e in refused)
+    assert all(r.json()["usage"]["completion_tokens"] == 20 for r in responses if r.status_code == 200)

@@ -1,0 +1,83 @@
+"""`raylm serve` as a separate process joining the cluster, as on a head node."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from cluster.cli import build_parser
+
+pytestmark = pytest.mark.ray
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_defaults_bind_loopback_and_take_the_key_from_the_environment(monkeypatch):
+    a = build_parser().parse_args(["serve"])
+    assert a.host == "127.0.0.1"
+    from cluster.cli import resolve_api_key
+
+    monkeypatch.setenv("RAYLM_API_KEY", "from-env")
+    assert resolve_api_key(None) == "from-env"
+    assert resolve_api_key("flag") == "flag"
+    monkeypatch.delenv("RAYLM_API_KEY")
+    assert resolve_api_key(None) is None
+
+
+def test_raylm_serve_process_joins_ray_serves_and_cleans_up(ray_session, tmp_path):
+    port = _free_port()
+    address = ray_session.get_runtime_context().gcs_address
+    env = dict(os.environ, RAYLM_API_KEY="k-cli", PYTHONUNBUFFERED="1")
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "serve", "--address", address, "--name", "cli-engine",
+         "--port", str(port), "--num-kv-blocks", "32", "--threads-per-worker", "1"],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        statuses = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, _tail(log)
+            try:
+                statuses.append(httpx.get(base + "/health", timeout=2).status_code)
+            except httpx.TransportError:
+                pass
+            if statuses and statuses[-1] == 200:
+                break
+            time.sleep(0.2)
+        assert statuses and statuses[-1] == 200, _tail(log)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="k-cli", max_retries=0)
+        r = client.completions.create(model="tiny-qwen3", prompt="Hello", max_tokens=5, temperature=0)
+        assert r.usage.completion_tokens >= 1
+        assert ray_session.get_actor("cli-engine", namespace="raylm") is not None
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray_session.get_actor("cli-engine", namespace="raylm")
+        except ValueError:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("the engine actor outlived `raylm serve`")
+
+
+def _tail(f) -> str:
+    f.flush()
+    f.seek(0)
+    return f.read()[-3000:]
