@@ -200,3 +200,16 @@ def test_http_overload_is_429_in_openai_error_json(ray_session):
     refused = [r.json()["error"] for r in responses if r.status_code == 429]
     assert all(e["type"] == "rate_limit_error" and "retry" in e["message"] for e in refused)
     assert all(r.json()["usage"]["completion_tokens"] == 20 for r in responses if r.status_code == 200)
+
+
+def test_with_no_replica_left_requests_fail_and_new_ones_are_refused(ray_session):
+    from cluster import EngineDeadError
+
+    with cluster.launch(num_kv_blocks=32, threads_per_worker=1, max_worker_restarts=0) as llm:
+        ray_session.get(llm._engine.replicas[0].worker.arm_fault.remote("exit", after_steps=1))
+        out = llm.generate("Hello", SamplingParams(max_tokens=8))
+        with pytest.raises(EngineDeadError):
+            llm.generate("Hello", SamplingParams(max_tokens=8))
+        stats = llm.stats()
+    assert out.finish_reason == "error" and "failed" in out.error
+    assert stats["replicas_alive"] == 0
