@@ -7,27 +7,28 @@ import functools
 
 
 @functools.lru_cache(maxsize=4)
-def _hf_model(path: str):
+def hf_model(path: str):
+    """HF's Qwen3 in fp32 with EOS stopping off: generate makes exactly max_new_tokens."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return model.eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
 
 
 def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int, stop_ids=()) -> list[list[int]]:
     """Greedy continuations by HF generate, cut after the first id in stop_ids (kept),
-    as raylm does; with stop_ids empty every prompt gets max_new_tokens tokens."""
+    as raylm stops on EOS; with stop_ids empty every prompt gets max_new_tokens tokens."""
     import torch
 
-    model = _hf_model(path)
+    model = hf_model(path)
     outs = []
     with torch.inference_mode():
         for ids in prompts:
             x = torch.tensor([ids])
             y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                               min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
-                               pad_token_id=0)[0, len(ids):].tolist()
+                               do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
             for i, t in enumerate(y):
                 if t in stop_ids:
                     y = y[: i + 1]

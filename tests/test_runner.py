@@ -7,6 +7,7 @@ import torch
 
 from scheduler.protocol import (USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, StepResult, WorkerSampling,
                                 sampled_on_device)
+from tests import oracle
 from tests.devices import DEVICES
 from tests.plans import PlanDriver
 from workers.loader import bundled_model_path, load_tokenizer
@@ -20,23 +21,16 @@ PROMPTS = [[5, 100, 200], list(range(10, 40)), [7] * 17, list(range(300, 345, 2)
 
 @pytest.fixture(scope="module")
 def hf():
-    from transformers import Qwen3ForCausalLM
-
-    model = Qwen3ForCausalLM.from_pretrained(bundled_model_path(), dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # generate exactly NEW tokens, as the runner does here
-    return model
+    return bundled_model_path()
 
 
-def hf_greedy(hf, prompt, n=NEW):
-    with torch.inference_mode():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                          pad_token_id=hf.generation_config.pad_token_id)
-    return out[0, len(prompt):].tolist()
+def hf_greedy(path, prompt, n=NEW):
+    return oracle.hf_greedy(path, [prompt], n)[0]
 
 
 @pytest.fixture(scope="module")
 def expected(hf):
-    return [hf_greedy(hf, p) for p in PROMPTS]
+    return oracle.hf_greedy(hf, PROMPTS, NEW)
 
 
 def make_runner(device="cpu", **kw):
