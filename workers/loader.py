@@ -4,12 +4,17 @@ config.json, then model.safetensors or a sharded model.safetensors.index.json; t
 untied embeddings; dtype from the config or overridden. Every problem raises a
 CheckpointError (a ValueError) that names it: the missing directory or file, the missing
 or unexpected weight, both shapes of a mismatch, the architecture that is not Qwen3.
+
+A model spec `random:qwen3-0.6b[?layers=N&seed=S]` instead of a path names a model with
+seeded random weights built in memory (benchmarks); it has no tokenizer.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import parse_qsl
 
 import torch
 from safetensors import safe_open
@@ -211,3 +216,63 @@ def random_qwen3(*, dtype=torch.bfloat16, layers: int | None = None, seed: int =
         else:
             param.normal_(0.0, std, generator=gen)
     return model
+
+
+RANDOM_PREFIX = "random:"
+RANDOM_SHAPES = {"qwen3-0.6b": {}}  # Qwen3Config's defaults are Qwen3-0.6B's shape
+
+
+@dataclass(frozen=True)
+class RandomModelSpec:
+    """`random:NAME[?layers=N&seed=S]`: a model of a known shape with seeded random weights."""
+
+    name: str
+    layers: int | None = None  # None: the shape's own depth
+    seed: int = 0
+
+    def __str__(self) -> str:
+        query = "&".join(f"{k}={v}" for k, v in (("layers", self.layers), ("seed", self.seed)) if v is not None)
+        return f"{RANDOM_PREFIX}{self.name}?{query}"
+
+
+def is_random_spec(model) -> bool:
+    return isinstance(model, str) and model.startswith(RANDOM_PREFIX)
+
+
+def parse_random_spec(spec: str) -> RandomModelSpec:
+    """Parse and validate `random:qwen3-0.6b?layers=4&seed=0` (query optional)."""
+    if not is_random_spec(spec):
+        raise ValueError(f"a random model spec starts with {RANDOM_PREFIX!r}, got {spec!r}")
+    name, _, query = spec[len(RANDOM_PREFIX):].partition("?")
+    if name not in RANDOM_SHAPES:
+        raise ValueError(f"unknown random model {name!r} in {spec!r}; known: {', '.join(sorted(RANDOM_SHAPES))}")
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError:
+        raise ValueError(f"options in {spec!r} must be key=value pairs joined by '&'") from None
+    opts = {}
+    for key, value in pairs:
+        if key not in ("layers", "seed"):
+            raise ValueError(f"unknown option {key!r} in {spec!r}; known: layers, seed")
+        if key in opts:
+            raise ValueError(f"option {key!r} given twice in {spec!r}")
+        if not value.isdigit() or (key == "layers" and int(value) < 1):
+            raise ValueError(f"{key} must be an integer >= {1 if key == 'layers' else 0} in {spec!r}, got {value!r}")
+        opts[key] = int(value)
+    return RandomModelSpec(name, **opts)
+
+
+def random_model(spec: str, dtype=None, device="cpu") -> Qwen3ForCausalLM:
+    """The model a random spec names; dtype None: the shape's own (bfloat16)."""
+    s = parse_random_spec(spec)
+    shape = RANDOM_SHAPES[s.name]
+    dtype = dtype or shape.get("torch_dtype", Qwen3Config.torch_dtype)
+    return random_qwen3(dtype=dtype, layers=s.layers, seed=s.seed, device=device, **shape)
+
+
+@torch.no_grad()
+def weights_fingerprint(model, stride: int = 997) -> float:
+    """A cheap checksum of every parameter (a strided sample of each, weighted by its
+    place): two processes that built the same weights get the same number."""
+    return sum((i + 1) * float(p.reshape(-1)[::stride].sum(dtype=torch.float64))
+               for i, (_, p) in enumerate(model.named_parameters()))

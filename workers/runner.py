@@ -19,7 +19,8 @@ import torch
 from scheduler.protocol import NewRequest, ScheduledRow, StepPlan, StepResult, USE_RESIDENT, WorkerSampling
 from workers.device import KINDS, num_kv_blocks, set_cpu_threads, synchronize, torch_device
 from workers.kv_cache import KVCache
-from workers.loader import DTYPES, bundled_model_path, load_model, load_tokenizer, resolve_dtype
+from workers.loader import (DTYPES, bundled_model_path, is_random_spec, load_model, load_tokenizer,
+                            parse_random_spec, random_model, resolve_dtype, weights_fingerprint)
 from workers.models.qwen3 import Qwen3ForCausalLM
 from workers.outputs import ResidentOutputs, device_outputs_enabled, encode_logits
 from workers.sampler import Sampler, SamplingBatch, row_logprobs
@@ -35,7 +36,7 @@ def _positive_int(value) -> bool:
 
 @dataclass
 class RunnerConfig:
-    model: str | None = None  # checkpoint dir; None -> the bundled tiny model
+    model: str | None = None  # checkpoint dir or "random:qwen3-0.6b?layers=N&seed=S"; None -> the bundled tiny model
     device: str = "cpu"  # "cpu" | "cuda" | "npu"
     device_index: int | None = None
     dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None -> the checkpoint's dtype
@@ -52,6 +53,8 @@ class RunnerConfig:
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"model must be a checkpoint directory or None, got {self.model!r}")
+        if is_random_spec(self.model):
+            parse_random_spec(self.model)  # raises ValueError naming what is wrong
         if self.device not in KINDS:
             raise ValueError(f"device must be one of {', '.join(KINDS)}, got {self.device!r}")
         if self.device_index is not None and (not isinstance(self.device_index, int)
@@ -90,7 +93,11 @@ class ModelRunner:
             set_cpu_threads(config.num_threads)
         self.device = torch_device(config.device, config.device_index)
         tokenizer_size = None
-        if model is None:
+        self.weights_fingerprint: float | None = None  # set for random models, to check copies agree
+        if model is None and is_random_spec(config.model):
+            model = random_model(config.model, dtype=config.dtype, device=self.device)
+            self.weights_fingerprint = weights_fingerprint(model)
+        elif model is None:
             path = config.model or bundled_model_path()
             model = load_model(path, dtype=config.dtype, device=self.device)
             tokenizer_size = _tokenizer_size(path)
@@ -210,6 +217,7 @@ class ModelRunner:
             "resident_allocations": self.outputs.num_allocations,
             "device": str(self.device),
             "device_outputs": self.device_outputs,
+            "weights_fingerprint": self.weights_fingerprint,
         }
 
     def close(self) -> None:
