@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 class _RequestState:
     request: Request
     prompt: str | None
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | _NoText
     stream: RequestStream
     replica: Replica
     logprobs: list[TokenLogprob] | None
@@ -55,13 +55,17 @@ class Engine:
 
     # ---- lifecycle ----
     def start(self) -> "Engine":
-        from workers.loader import bundled_model_path, eos_token_ids, load_tokenizer
+        from workers.loader import bundled_model_path, eos_token_ids, is_random_spec, load_tokenizer, parse_random_spec
         from workers.outputs import device_outputs_enabled
 
         cfg = self.config
         self.model_path = cfg.model or bundled_model_path()
-        self.tokenizer = load_tokenizer(self.model_path)
-        self.eos_token_ids = frozenset(eos_token_ids(self.model_path))
+        if is_random_spec(self.model_path):  # random weights, no tokenizer: token-id prompts only
+            parse_random_spec(self.model_path)
+            self.tokenizer, self.eos_token_ids = None, frozenset()
+        else:
+            self.tokenizer = load_tokenizer(self.model_path)
+            self.eos_token_ids = frozenset(eos_token_ids(self.model_path))
         self.device_outputs = device_outputs_enabled(cfg.device_outputs)
         threads = cfg.threads_per_worker or (default_threads(cfg.num_replicas) if cfg.device == "cpu" else 1)
         resources = worker_resources(cfg.device, threads, cfg.accelerator_resource)
@@ -111,12 +115,14 @@ class Engine:
         for i, m in enumerate(messages):
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError(f"messages[{i}] needs string 'role' and 'content', got {m!r}")
+        self._need_tokenizer("chat messages")
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
+            self._need_tokenizer("text prompts")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if not prompt:
@@ -126,6 +132,11 @@ class Engine:
                 raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
             return None, list(prompt)
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}: {prompt!r:.80}")
+
+    def _need_tokenizer(self, what: str) -> None:
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.model_path!r} has no tokenizer: {what} are not accepted; "
+                             "give prompts as lists of token ids")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, loop=None) -> RequestStream:
@@ -151,9 +162,11 @@ class Engine:
         if replica.num_waiting() >= self.config.max_waiting_requests:
             raise EngineOverloadedError(
                 f"too many waiting requests ({self.config.max_waiting_requests} on replica {replica.index}); retry later")
+        if params.stop:
+            self._need_tokenizer("stop strings")
         stream = RequestStream(request_id, loop)
-        detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
-                                       stop=params.stop)
+        detok = _NoText() if self.tokenizer is None else IncrementalDetokenizer(
+            self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop)
         st = _RequestState(request, text, detok, stream, replica, [] if params.logprobs is not None else None)
         self._requests[request_id] = st
         try:
@@ -220,7 +233,7 @@ class Engine:
                             [(i, text(i), v) for i, v in zip(lp.top_ids, lp.top_logprobs)])
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
 
     def _finalize(self, st: _RequestState, reason: FinishReason, *, new_ids=(), logprobs=None,
                   error: str | None = None) -> None:
@@ -275,6 +288,22 @@ class Engine:
         total["max_model_len"] = self.max_model_len
         total["replicas"] = reps
         return total
+
+
+class _NoText:
+    """The detokenizer of a model without a tokenizer: outputs are token ids only."""
+
+    text = ""
+    stop_reason = None
+
+    def append(self, token_ids) -> None:
+        return None
+
+    def flush(self) -> None:
+        pass
+
+    def take_delta(self, final: bool = False) -> str:
+        return ""
 
 
 def _metrics(req: Request) -> RequestMetrics:
