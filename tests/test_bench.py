@@ -10,7 +10,7 @@ import math
 import pytest
 
 import cluster
-from cluster import bench
+from cluster import bench, bench_runs
 from cluster.cli import main as cli_main
 from scheduler.request import SamplingParams
 from workers.loader import bundled_model_path, parse_random_spec, random_model, weights_fingerprint
@@ -116,16 +116,16 @@ def test_bad_arguments_are_refused_before_anything_runs(argv, message, capsys):
 
 
 def test_percentile_interpolates_like_numpy():
-    assert bench.percentile([], 50) is None
-    assert bench.percentile([3.0], 99) == 3.0
-    assert bench.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
-    assert math.isclose(bench.percentile(list(range(101)), 99), 99.0)
+    assert bench_runs.percentile([], 50) is None
+    assert bench_runs.percentile([3.0], 99) == 3.0
+    assert bench_runs.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert math.isclose(bench_runs.percentile(list(range(101)), 99), 99.0)
 
 
 def test_workload_is_seeded_and_in_range():
-    a = bench.make_workload(20, (3, 9), (2, 4), 100, seed=7)
-    assert a == bench.make_workload(20, (3, 9), (2, 4), 100, seed=7)
-    assert a != bench.make_workload(20, (3, 9), (2, 4), 100, seed=8)
+    a = bench_runs.make_workload(20, (3, 9), (2, 4), 100, seed=7)
+    assert a == bench_runs.make_workload(20, (3, 9), (2, 4), 100, seed=7)
+    assert a != bench_runs.make_workload(20, (3, 9), (2, 4), 100, seed=8)
     assert all(3 <= len(p) <= 9 and all(0 <= t < 100 for t in p) for p in a.prompts)
     assert all(2 <= o <= 4 for o in a.output_lens) and a.output_tokens == sum(a.output_lens)
 
