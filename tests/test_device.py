@@ -120,3 +120,24 @@ def test_npu_device_sync_and_memory():
     dev.synchronize(npu)
     free, total = dev.memory_info(npu)
     assert 0 < free <= total
+
+
+def test_compute_dtype_upcasts_half_weights_only_on_a_cpu_without_half_matmuls():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    assert dev.compute_dtype(cpu, bf16, native_half=False) == fp32
+    assert dev.compute_dtype(cpu, fp16, native_half=False) == fp32
+    assert dev.compute_dtype(cpu, bf16, native_half=True) == bf16
+    assert dev.compute_dtype(cpu, fp32, native_half=False) == fp32
+    assert dev.compute_dtype(cuda, bf16) == bf16  # accelerators compute in the weights' dtype
+    assert dev.compute_dtype(cpu, bf16, requested=bf16, native_half=False) == bf16  # asked for: honored
+    assert dev.compute_dtype(cpu, fp32, requested=fp16) == fp16
+
+
+def test_native_half_matmul_follows_the_cpu_features(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert not dev.native_half_matmul(torch.device("cpu"))
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert dev.native_half_matmul(torch.device("cpu"))
+    assert dev.native_half_matmul(torch.device("cuda"))

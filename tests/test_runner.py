@@ -256,3 +256,29 @@ def test_an_injected_model_runs_without_a_checkpoint():
     result = runner.execute(StepPlan(0, new_requests=[NewRequest(1, [1, 2, 3], 0, [0], WorkerSampling())],
                                      rows=[ScheduledRow(1, 3)]))
     assert result.slots == [1] and 0 <= result.sampled_ids()[0] < 97
+
+
+@pytest.mark.parametrize("native_half", [False, True])
+def test_half_weights_compute_in_fp32_on_a_cpu_without_half_matmuls(tmp_path, monkeypatch, native_half):
+    """dtype None: a bf16 checkpoint computes in fp32 where the CPU has no bf16 matmuls, and
+    in bf16 where it has them; an explicit dtype is always honored."""
+    import json
+    import shutil
+
+    from workers import device as dev
+    from workers.loader import load_model
+
+    monkeypatch.setattr(dev, "native_half_matmul", lambda device: native_half)
+    ckpt = tmp_path / "bf16"
+    shutil.copytree(bundled_model_path(), ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    want = torch.bfloat16 if native_half else torch.float32
+
+    runner = make_runner(model=str(ckpt))
+    assert runner.model.dtype == want and runner.kv_cache.data.dtype == want
+    assert runner.stats()["weights_dtype"] == "bfloat16"
+    assert runner.stats()["dtype"] == str(want).removeprefix("torch.")
+    assert make_runner(model=str(ckpt), dtype="bfloat16").model.dtype == torch.bfloat16
+    given = ModelRunner(RunnerConfig(block_size=BS, num_kv_blocks=64), model=load_model(ckpt))
+    assert given.model.dtype == want and given.stats()["weights_dtype"] == "bfloat16"

@@ -180,3 +180,28 @@ def set_cpu_threads(n: int | None) -> None:
         torch.set_num_interop_threads(1)
     except RuntimeError:
         pass  # already set, or inter-op work already ran: torch allows it only once
+
+
+def native_half_matmul(device: torch.device) -> bool:
+    """Whether bf16/fp16 matrix products run at full speed on `device`.
+
+    Accelerators: yes. A CPU: only with AVX512-BF16 or AMX; elsewhere (AVX2, for one)
+    torch's bf16 GEMM runs several times slower than its fp32 GEMM (benchmarks/bench_gemm.py).
+    """
+    if device.type != "cpu":
+        return True
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, p, lambda: False)() for p in probes)
+
+
+def compute_dtype(device: torch.device, weights_dtype: torch.dtype, requested: torch.dtype | None = None,
+                  native_half: bool | None = None) -> torch.dtype:
+    """The dtype a model computes in: `requested` when given; otherwise its weights' dtype,
+    except half-precision weights on a CPU without native half matmuls, which compute in
+    float32 (upcast once at load: exact, twice the memory, several times the speed)."""
+    if requested is not None:
+        return requested
+    if weights_dtype in (torch.bfloat16, torch.float16):
+        if not (native_half_matmul(device) if native_half is None else native_half):
+            return torch.float32
+    return weights_dtype

@@ -10,17 +10,20 @@ With device outputs off it returns the logits instead, trimmed to the real vocab
 
 from __future__ import annotations
 
+import copy
 import functools
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
 from scheduler.protocol import NewRequest, ScheduledRow, StepPlan, StepResult, USE_RESIDENT, WorkerSampling
-from workers.device import KINDS, num_kv_blocks, set_cpu_threads, synchronize, torch_device
+from workers.device import KINDS, compute_dtype, num_kv_blocks, set_cpu_threads, synchronize, torch_device
 from workers.kv_cache import KVCache
 from workers.loader import (DTYPES, bundled_model_path, is_random_spec, load_model, load_tokenizer,
-                            parse_random_spec, random_model, resolve_dtype, weights_fingerprint)
+                            load_config, parse_random_spec, random_model, resolve_dtype,
+                            weights_fingerprint)
 from workers.models.qwen3 import Qwen3ForCausalLM
 from workers.outputs import ResidentOutputs, device_outputs_enabled, encode_logits
 from workers.sampler import Sampler, SamplingBatch, row_logprobs
@@ -28,6 +31,8 @@ from workers.slots import SlotTable
 from workers.step_inputs import build_step_inputs
 
 DEFAULT_CPU_BLOCKS = 512
+
+log = logging.getLogger(__name__)
 
 
 def _positive_int(value) -> bool:
@@ -39,7 +44,8 @@ class RunnerConfig:
     model: str | None = None  # checkpoint dir or "random:qwen3-0.6b?layers=N&seed=S"; None -> the bundled tiny model
     device: str = "cpu"  # "cpu" | "cuda" | "npu"
     device_index: int | None = None
-    dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None -> the checkpoint's dtype
+    dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None -> device.compute_dtype (the weights'
+    # own, except bf16/fp16 weights on a CPU without native half matmuls: float32)
     block_size: int = 16
     num_kv_blocks: int | None = None  # CPU: the pool size (default 512); accelerators: None -> memory_fraction
     memory_fraction: float = 0.9
@@ -94,19 +100,27 @@ class ModelRunner:
         self.device = torch_device(config.device, config.device_index)
         tokenizer_size = None
         self.weights_fingerprint: float | None = None  # set for random models, to check copies agree
+        requested = resolve_dtype(config.dtype) if config.dtype else None
+        stored = None  # the weights' own dtype
+        given = model is not None
         if model is None and is_random_spec(config.model):
-            model = random_model(config.model, dtype=config.dtype, device=self.device)
+            model = random_model(config.model, dtype=requested, device=self.device)  # None: the shape's dtype
             self.weights_fingerprint = weights_fingerprint(model)
         elif model is None:
             path = config.model or bundled_model_path()
-            model = load_model(path, dtype=config.dtype, device=self.device)
+            stored = resolve_dtype(load_config(path).torch_dtype)  # cast while loading: no second copy
+            model = load_model(path, dtype=compute_dtype(self.device, stored, requested), device=self.device)
             tokenizer_size = _tokenizer_size(path)
-        else:
-            dtype = resolve_dtype(config.dtype) if config.dtype else model.dtype
-            if model.dtype != dtype or model.model.embed_tokens.weight.device != self.device:
-                model = model.to(device=self.device, dtype=dtype)
-                model.tie_weights()
-                model.reset_rotary()
+        self.weights_dtype = stored or model.dtype
+        dtype = compute_dtype(self.device, self.weights_dtype, requested)
+        if model.dtype != dtype or model.model.embed_tokens.weight.device != self.device:
+            if given:
+                model = copy.deepcopy(model)  # Module.to works in place: the caller keeps its model as it was
+            model = model.to(device=self.device, dtype=dtype)
+            model.tie_weights()
+            model.reset_rotary()
+        if dtype != self.weights_dtype:
+            log.info("%s weights compute in %s on %s", self.weights_dtype, dtype, self.device)
         self.model = model.eval()
         mc = model.config
         self.vocab_size = min(mc.vocab_size, tokenizer_size or mc.vocab_size)  # the real vocab
@@ -216,6 +230,8 @@ class ModelRunner:
             "resident_bytes": self.outputs.nbytes,
             "resident_allocations": self.outputs.num_allocations,
             "device": str(self.device),
+            "dtype": str(self.model.dtype).removeprefix("torch."),
+            "weights_dtype": str(self.weights_dtype).removeprefix("torch."),
             "device_outputs": self.device_outputs,
             "weights_fingerprint": self.weights_fingerprint,
         }
