@@ -27,6 +27,14 @@ round of `--repeat`, and the figures printed are the medians over rounds.
   ("inf": all at once); TTFT, TPOT, ITL and end-to-end latency as vLLM's serving
   benchmark reports them.
 
+Dtypes: `--dtype` is the weights' (bfloat16 by default). raylm computes as it serves
+(`--compute-dtype auto`): in the weights' dtype, except half-precision weights on a CPU
+without bf16/fp16 matmul instructions (no AVX512-BF16 or AMX), which it upcasts to float32
+once at load. HF computes in the weights' dtype, as `from_pretrained` loads them;
+`--hf-dtypes bfloat16,float32` adds HF on upcast weights as further contenders, so the
+engine's share of a speedup can be told from the dtype's. The report names each run's
+compute dtype.
+
 The default model is `random:qwen3-0.6b` (Qwen3-0.6B's shape, random bf16 weights,
 built in memory by each worker and by this process for the peers; their fingerprints are
 checked equal). `--layers N` cuts its depth; `--model PATH` takes a checkpoint instead.
@@ -35,6 +43,7 @@ checked equal). `--layers N` cuts its depth; `--model PATH` takes a checkpoint i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -43,6 +52,7 @@ import platform
 import statistics
 import sys
 import time
+from copy import deepcopy
 from dataclasses import dataclass, field
 
 from cluster.bench_runs import (HF_MODES, HF_RUNNERS, EngineSpec, Workload, agreement, hf_model, kv_blocks_for,
@@ -51,6 +61,8 @@ from cluster.bench_runs import (HF_MODES, HF_RUNNERS, EngineSpec, Workload, agre
 log = logging.getLogger("raylm.bench")
 
 DEFAULT_MODEL = "random:qwen3-0.6b"
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 # ---- the plan, the report ----------------------------------------------------------------
@@ -124,7 +136,13 @@ def add_parser(sub) -> None:
     b.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"a checkpoint directory or a random model spec (default {DEFAULT_MODEL})")
     b.add_argument("--layers", type=int, default=None, help="cut the random model to N layers")
-    b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    b.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES,
+                   help="the weights' dtype: the random model is built in it, every contender gets these weights")
+    b.add_argument("--compute-dtype", default="auto", choices=("auto",) + DTYPE_NAMES,
+                   help="raylm's (and the bare loop's) compute dtype; auto: as raylm serves, the weights' own "
+                        "except half weights on a CPU without half matmuls, which compute in float32")
+    b.add_argument("--hf-dtypes", type=_names(DTYPE_NAMES, "--hf-dtypes"), default=None,
+                   help="HF's compute dtypes, each a contender (default: the weights' dtype, as HF loads them)")
     b.add_argument("--seed", type=int, default=0, help="seeds the weights (random model) and the workload")
     b.add_argument("--num-requests", type=int, default=64)
     b.add_argument("--input-len", type=_range, default=(32, 256), help="prompt lengths LO:HI (uniform)")
@@ -164,6 +182,16 @@ def _model_spec(a) -> str:
     if a.layers is not None:
         raise ValueError("--layers applies to a random model, not to a checkpoint directory")
     return os.path.expanduser(a.model)
+
+
+def _cast(model, dtype: str):
+    """A copy of our model in another dtype (the original is left as it is)."""
+    from workers.loader import resolve_dtype
+
+    copy = deepcopy(model).to(resolve_dtype(dtype))
+    copy.tie_weights()
+    copy.reset_rotary()
+    return copy
 
 
 def _driver_model(model_spec: str, dtype: str):
@@ -208,7 +236,8 @@ class Bench:
 
     def spec(self, *, replicas: int, threads: int, device_outputs: bool = True, batch_size: int) -> EngineSpec:
         a = self.a
-        return EngineSpec(self.model_spec, a.dtype, replicas, threads, device_outputs, batch_size, a.block_size,
+        dtype = None if a.compute_dtype == "auto" else a.compute_dtype
+        return EngineSpec(self.model_spec, dtype, replicas, threads, device_outputs, batch_size, a.block_size,
                           kv_blocks_for(self.wl, a.block_size), a.max_num_batched_tokens, a.seed)
 
     def replica_configs(self) -> list[tuple[int, int]]:
@@ -235,9 +264,14 @@ class Bench:
                 self.runs.append(Run("bare" + sfx, "bare", in_process))
             if "hf" in a.compare:
                 for m in a.hf_modes:
-                    self.runs.append(Run(f"hf-{m}" + sfx, f"hf-{m}", in_process))
+                    for dt in self.hf_dtypes():
+                        name = f"hf-{m}" + ("" if dt == a.dtype else f" {dt}") + sfx
+                        self.runs.append(Run(name, f"hf-{m}", dataclasses.replace(in_process, dtype=dt)))
         for r, t in others:
             self.runs.append(Run(f"raylm {r}x{t}t", "raylm", self.spec(replicas=r, threads=t, batch_size=a.batch_size[0])))
+
+    def hf_dtypes(self) -> list[str]:
+        return self.a.hf_dtypes or [self.a.dtype]
 
     # ---- running ----
     def execute(self) -> None:
@@ -250,7 +284,8 @@ class Bench:
             t = time.perf_counter()
             model = _driver_model(self.model_spec, a.dtype)
             log.info("driver copy of the model built in %.1fs", time.perf_counter() - t)
-        hf = hf_model(model) if any(r.kind.startswith("hf-") for r in self.runs) else None
+        hfs = {dt: hf_model(model if dt == a.dtype else _cast(model, dt))
+               for dt in self.hf_dtypes()} if any(r.kind.startswith("hf-") for r in self.runs) else {}
         mine = weights_fingerprint(model) if model is not None and is_random_spec(self.model_spec) else None
         for rnd in range(a.repeat):
             order = self.runs if rnd % 2 == 0 else self.runs[::-1]
@@ -264,7 +299,8 @@ class Bench:
                     if run.kind == "bare":
                         fig, outs = run_bare(model, run.spec, self.wl)
                     else:
-                        fig, outs = HF_RUNNERS[run.kind[3:]](hf, self.wl, run.spec)
+                        fig, outs = HF_RUNNERS[run.kind[3:]](hfs[run.spec.dtype], self.wl, run.spec)
+                        fig["compute_dtype"] = run.spec.dtype
                 fig["round"] = rnd
                 fig["lengths_ok"] = [len(o) for o in outs] == self.wl.output_lens
                 if run.kind == "raylm" and mine is not None:  # the workers built the weights the peers use
@@ -306,12 +342,13 @@ class Bench:
             ray_tok = tok("raylm" + sfx)
             if ray_tok is None:
                 continue
-            hf = {m: tok(f"hf-{m}" + sfx) for m in self.a.hf_modes if tok(f"hf-{m}" + sfx)}
-            for m, v in hf.items():
-                out[f"raylm / hf-{m}{sfx}"] = ray_tok / v
+            hf = {r.name: tok(r.name) for r in self.runs
+                  if r.kind.startswith("hf-") and r.spec.batch_size == bsz and tok(r.name)}
+            for name, v in hf.items():
+                out[f"raylm / {name}"] = ray_tok / v
             if hf:
                 best = max(hf, key=hf.get)
-                out[f"raylm / best hf (hf-{best}){sfx}"] = ray_tok / hf[best]
+                out[f"raylm / best hf ({best})"] = ray_tok / hf[best]
                 targets[f"raylm >= 2x best HF{sfx}"] = (ray_tok / hf[best], 2.0)
             if tok("raylm host-logits" + sfx):
                 v = ray_tok / tok("raylm host-logits" + sfx)
@@ -361,12 +398,12 @@ class Bench:
             return "-" if p50 is None else f"{p50:.0f}/{p99:.0f}"
 
         wl = self.wl.describe()
-        print(f"\n# raylm bench: {self.model_spec}, {self.a.dtype}; {wl['num_requests']} requests, prompts "
+        print(f"\n# raylm bench: {self.model_spec}, {self.a.dtype} weights; {wl['num_requests']} requests, prompts "
               f"{wl['prompt_len_min']}-{wl['prompt_len_max']} ({wl['prompt_tokens']} tokens), outputs "
               f"{wl['output_len_min']}-{wl['output_len_max']} ({wl['output_tokens']} tokens); "
               f"{self.a.repeat} round(s), medians", file=out)
         rows = self.runs + self.serve_runs
-        head = (f"{'run':<22} {'batch':>5} {'repl x thr':>10} {'out tok/s':>10} {'total tok/s':>11} {'elapsed s':>9} "
+        head = (f"{'run':<22} {'computes':>8} {'batch':>5} {'repl x thr':>10} {'out tok/s':>10} {'total tok/s':>11} {'elapsed s':>9} "
                 f"{'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} {'B/decode step':>13}")
         print(head, file=out)
         for r in rows:
@@ -375,7 +412,8 @@ class Bench:
             s = r.summary()
             bps = s.get("bytes_per_decode_step")
             rep = f"{r.spec.replicas}x{r.spec.threads}" if r.kind in ("raylm", "serve") else f"-x{r.spec.threads}"
-            print(f"{r.name:<22} {r.spec.batch_size:>5} {rep:>10} {s['output_tok_s']:>10.2f} {s['total_tok_s']:>11.2f} "
+            dt = ",".join(sorted({_SHORT.get(f.get("compute_dtype"), "?") for f in r.rounds}))
+            print(f"{r.name:<22} {dt:>8} {r.spec.batch_size:>5} {rep:>10} {s['output_tok_s']:>10.2f} {s['total_tok_s']:>11.2f} "
                   f"{s['elapsed_s']:>9.1f} {ms(s, 'ttft'):>16} {ms(s, 'tpot'):>16} {ms(s, 'itl'):>15} "
                   f"{'-' if bps is None else f'{bps:.0f}':>13}", file=out)
         ratios = self.ratios()
@@ -396,7 +434,7 @@ class Bench:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        title = f"{self.model_spec}, {self.a.dtype}, {self.wl.num_requests} requests"
+        title = f"{self.model_spec}, {self.a.dtype} weights, {self.wl.num_requests} requests"
         if self.serve_runs:
             fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4))
             rates = [r.rounds[0]["rate"] for r in self.serve_runs]

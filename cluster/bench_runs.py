@@ -128,7 +128,7 @@ class EngineSpec:
             num_kv_blocks=self.num_kv_blocks, max_num_batched_tokens=self.max_num_batched_tokens, seed=self.seed)
 
     def params(self) -> dict:
-        return {"replicas": self.replicas, "threads_per_worker": self.threads,
+        return {"dtype": self.dtype or "auto", "replicas": self.replicas, "threads_per_worker": self.threads,
                 "device_outputs": self.device_outputs, "batch_size": self.batch_size}
 
 
@@ -197,7 +197,8 @@ def run_raylm(spec: EngineSpec, wl: Workload, vocab_size: int, profile_dir: str 
     with spec.launch() as llm:
         engine = llm._engine
         launch_s = time.perf_counter() - t_launch
-        fingerprints = [r.worker_stats().get("weights_fingerprint") for r in engine.replicas]
+        worker_stats = [r.worker_stats() for r in engine.replicas]
+        fingerprints = [w.get("weights_fingerprint") for w in worker_stats]
         pids = {f"worker{i}": r.info["pid"] for i, r in enumerate(engine.replicas)}
         log.info("%s: engine up in %.1fs; worker pid(s) %s", tag, launch_s, list(pids.values()))
         _warm_up(llm, vocab_size)
@@ -211,7 +212,8 @@ def run_raylm(spec: EngineSpec, wl: Workload, vocab_size: int, profile_dir: str 
     fig = _figures(wl, elapsed, generated, [o.metrics.ttft for o in outs], [o.metrics.tpot for o in outs])
     fig.update(_stat_delta(before, after))
     fig.update(launch_s=launch_s, weights_fingerprints=fingerprints, worker_pids=list(pids.values()),
-               finish_reasons=sorted({o.finish_reason for o in outs}))
+               finish_reasons=sorted({o.finish_reason for o in outs}),
+               compute_dtype=",".join(sorted({str(w.get("dtype")) for w in worker_stats})))
     return fig, [o.token_ids for o in outs]
 
 
@@ -274,6 +276,7 @@ def run_bare(model, spec: EngineSpec, wl: Workload) -> tuple[dict, list[list[int
         model=spec.model, device="cpu", dtype=spec.dtype, block_size=spec.block_size,
         num_kv_blocks=spec.num_kv_blocks, max_num_seqs=spec.batch_size,
         max_num_batched_tokens=spec.max_num_batched_tokens, seed=spec.seed, num_threads=spec.threads), model=model)
+    compute_dtype = str(runner.model.dtype).removeprefix("torch.")
     try:
         runner.warmup()
         sched = Scheduler(SchedulerConfig(
@@ -297,7 +300,7 @@ def run_bare(model, spec: EngineSpec, wl: Workload) -> tuple[dict, list[list[int
         runner.close()
     fig = _figures(wl, elapsed, sum(len(r.output_token_ids) for r in reqs), [r.ttft for r in reqs],
                    [r.tpot for r in reqs])
-    fig.update(steps=steps, decode_steps=decode_steps, worker_time_s=worker_time)
+    fig.update(steps=steps, decode_steps=decode_steps, worker_time_s=worker_time, compute_dtype=compute_dtype)
     return fig, [r.output_token_ids for r in reqs]
 
 
@@ -333,11 +336,12 @@ def _gen_config(max_new_tokens: int):
     return GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=-1, pad_token_id=0)
 
 
-def _cb_config(wl: Workload, spec: EngineSpec):
+def _cb_config(wl: Workload, spec: EngineSpec, output_lens: list[int]):
+    """A cache that holds every request at once (no request waits for pages), as raylm's."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     page = ContinuousBatchingConfig.page_size  # HF's default page (256 tokens)
-    pages = sum(-(-(len(p) + o) // page) for p, o in zip(wl.prompts, wl.output_lens)) + 2
+    pages = sum(-(-(len(p) + o) // page) for p, o in zip(wl.prompts, output_lens)) + 2
     return ContinuousBatchingConfig(num_blocks=pages, max_batch_tokens=spec.max_num_batched_tokens,
                                     max_requests_per_batch=spec.batch_size, allow_block_sharing=True)
 
@@ -348,7 +352,7 @@ def run_hf_cb(hf, wl: Workload, spec: EngineSpec) -> tuple[dict, list[list[int]]
 
     with torch.inference_mode():
         mgr = hf.init_continuous_batching(generation_config=_gen_config(max(wl.output_lens)),
-                                          continuous_batching_config=_cb_config(wl, spec))
+                                          continuous_batching_config=_cb_config(wl, spec, wl.output_lens))
         mgr.start()
         try:
             t0 = time.perf_counter()
@@ -366,14 +370,14 @@ def run_hf_generate_batch(hf, wl: Workload, spec: EngineSpec) -> tuple[dict, lis
     """generate_batch itself: one max_new_tokens (the longest asked) for every request."""
     import torch
 
+    longest = max(wl.output_lens)
     with torch.inference_mode():
         t0 = time.perf_counter()
-        out = hf.generate_batch(wl.prompts, generation_config=_gen_config(max(wl.output_lens)),
-                                continuous_batching_config=_cb_config(wl, spec), record_timestamps=True,
-                                warmup=False)
+        out = hf.generate_batch(wl.prompts, generation_config=_gen_config(longest),
+                                continuous_batching_config=_cb_config(wl, spec, [longest] * wl.num_requests),
+                                record_timestamps=True, warmup=False)
         elapsed = time.perf_counter() - t0
-    results = {k: v for k, v in out.items()}
-    results = {f"r{i}": results[k] for i, k in enumerate(out)}  # input order
+    results = {f"r{i}": r for i, r in enumerate(out.values())}  # generate_batch returns them in input order
     return _hf_figures(wl, results, t0, elapsed)
 
 

@@ -19,6 +19,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from cluster.config import EngineConfig
+from cluster.errors import EngineDeadError
 from cluster.placement import release, scheduling_strategy
 from scheduler.protocol import StepResult, pack_int32, sampled_on_device
 from scheduler.request import Request
@@ -103,7 +104,7 @@ class Replica:
     def add(self, request: Request) -> None:
         with self.lock:
             if self.dead:
-                raise RuntimeError(f"replica {self.index} is down")
+                raise EngineDeadError(f"replica {self.index} is down: its worker failed beyond the restart budget")
             self.scheduler.add_request(request)
         self._wakeup.set()
 

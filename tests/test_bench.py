@@ -8,11 +8,13 @@ import json
 import math
 
 import pytest
+import torch
 
 import cluster
 from cluster import bench, bench_runs
 from cluster.cli import main as cli_main
 from scheduler.request import SamplingParams
+from workers.device import compute_dtype
 from workers.loader import bundled_model_path, parse_random_spec, random_model, weights_fingerprint
 
 pytestmark = pytest.mark.ray
@@ -44,16 +46,23 @@ def _check_figures(fig: dict, wl: dict) -> None:
 def test_offline_compare_and_device_outputs_ab(ray_session, tmp_path):
     out = tmp_path / "bench.json"
     rc = bench.main(["--model", RANDOM_1L, "--num-requests", "3", "--input-len", "4:12", "--output-len", "2:5",
-                     "--batch-size", "2", "--compare", "hf,bare", "--ab", "device-outputs", "--json", str(out)])
+                     "--batch-size", "2", "--compare", "hf,bare", "--ab", "device-outputs",
+                     "--hf-dtypes", "bfloat16,float32", "--json", str(out)])
     assert rc == 0
     doc = _load(out)
     wl = doc["workload"]
     assert wl["num_requests"] == 3 and 2 <= wl["output_len_min"] <= wl["output_len_max"] <= 5
     runs = _runs(doc)
-    assert set(runs) == {"raylm", "raylm host-logits", "bare", "hf-cb", "hf-generate"}
+    assert set(runs) == {"raylm", "raylm host-logits", "bare", "hf-cb", "hf-generate", "hf-cb float32",
+                         "hf-generate float32"}
     for r in runs.values():
         _check_figures(r["rounds"][0], wl)
         assert r["params"]["batch_size"] == 2
+    # raylm and the bare loop compute as raylm serves the bf16 weights here; HF as asked
+    auto = str(compute_dtype(torch.device("cpu"), torch.bfloat16)).removeprefix("torch.")
+    for name, dtype in (("raylm", auto), ("bare", auto), ("hf-cb", "bfloat16"), ("hf-cb float32", "float32")):
+        assert runs[name]["rounds"][0]["compute_dtype"] == dtype
+    assert runs["raylm"]["params"]["dtype"] == "auto" and runs["hf-cb float32"]["params"]["dtype"] == "float32"
     for name in ("raylm", "raylm host-logits", "bare", "hf-cb"):  # these stop each request at its own length
         assert runs[name]["rounds"][0]["generated_tokens"] == wl["output_tokens"]
     for name in ("raylm", "raylm host-logits"):
@@ -69,7 +78,9 @@ def test_offline_compare_and_device_outputs_ab(ray_session, tmp_path):
     assert runs["bare"]["rounds"][0]["sequence_agreement"] == 1.0
     assert runs["hf-generate"]["rounds"][0]["generated_tokens"] >= wl["output_tokens"]
     ratios = doc["ratios"]
-    for key in ("raylm / hf-cb", "raylm / hf-generate", "device outputs / host logits", "engine / bare step loop"):
+    best = max((n for n in runs if n.startswith("hf-")), key=lambda n: runs[n]["summary"]["output_tok_s"])
+    assert ratios[f"raylm / best hf ({best})"] == ratios[f"raylm / {best}"]
+    for key in ("raylm / hf-cb", "raylm / hf-generate", "raylm / hf-cb float32", "device outputs / host logits", "engine / bare step loop"):
         assert ratios[key] > 0
     assert {t["met"] for t in doc["targets"].values()} <= {True, False}
     assert doc["machine"]["cores"] >= 1
@@ -82,8 +93,8 @@ def test_replica_scaling_and_serving_on_the_tiny_model(ray_session, tmp_path):
     doc = _load(out)
     runs = _runs(doc)
     assert set(runs) == {"raylm", "raylm 2x1t", "raylm 1x1t"}  # 2 cores: 1x2 threads, 2x1, and 1x1
-    assert runs["raylm"]["params"] == {"replicas": 1, "threads_per_worker": 2, "device_outputs": True,
-                                       "batch_size": 64}
+    assert runs["raylm"]["params"] == {"dtype": "auto", "replicas": 1, "threads_per_worker": 2,
+                                       "device_outputs": True, "batch_size": 64}
     for r in runs.values():
         _check_figures(r["rounds"][0], doc["workload"])
     assert "2 replicas x 1 threads / 1 replica x 2 threads" in doc["ratios"]
