@@ -213,8 +213,12 @@ def run_raylm(spec: EngineSpec, wl: Workload, vocab_size: int, profile_dir: str 
     fig.update(_stat_delta(before, after))
     fig.update(launch_s=launch_s, weights_fingerprints=fingerprints, worker_pids=list(pids.values()),
                finish_reasons=sorted({o.finish_reason for o in outs}),
-               compute_dtype=",".join(sorted({str(w.get("dtype")) for w in worker_stats})))
+               compute_dtype=_compute_dtype(worker_stats))
     return fig, [o.token_ids for o in outs]
+
+
+def _compute_dtype(worker_stats: list[dict]) -> str:
+    return ",".join(sorted({str(w.get("dtype")) for w in worker_stats}))
 
 
 def run_serve(spec: EngineSpec, workloads: list[tuple[float, Workload]], vocab_size: int, seed: int) -> list[dict]:
@@ -222,10 +226,11 @@ def run_serve(spec: EngineSpec, workloads: list[tuple[float, Workload]], vocab_s
     results = []
     with spec.launch() as llm:
         _warm_up(llm, vocab_size)
+        dtype = _compute_dtype([r.worker_stats() for r in llm._engine.replicas])
         for rate, wl in workloads:
             before = llm.stats()
             fig = asyncio.run(_serve_once(llm, wl, rate, seed))
-            fig.update(_stat_delta(before, llm.stats()))
+            fig.update(_stat_delta(before, llm.stats()), compute_dtype=dtype)
             results.append(fig)
             log.info("serve rate %s: %.2f output tok/s, TTFT p50 %.0f ms", rate, fig["output_tok_s"],
                      fig["ttft_p50_ms"] or float("nan"))

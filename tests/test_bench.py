@@ -98,7 +98,8 @@ def test_replica_scaling_and_serving_on_the_tiny_model(ray_session, tmp_path):
     for r in runs.values():
         _check_figures(r["rounds"][0], doc["workload"])
     assert "2 replicas x 1 threads / 1 replica x 2 threads" in doc["ratios"]
-    assert "2 replicas x 1 threads / 1 replica x 1 threads" in doc["ratios"]
+    scaling = doc["ratios"]["2 replicas x 1 threads / 1 replica x 1 threads"]
+    assert doc["targets"]["2 replicas >= 1.6x 1 replica (1 threads each)"]["value"] == scaling
 
     out, png = tmp_path / "serve.json", tmp_path / "serve.png"
     plot = ["--plot", str(png)] if importlib.util.find_spec("matplotlib") else []  # the `plot` extra
@@ -111,6 +112,7 @@ def test_replica_scaling_and_serving_on_the_tiny_model(ray_session, tmp_path):
         fig = r["rounds"][0]
         assert fig["output_tokens"] == fig["generated_tokens"]
         assert fig["num_requests"] == 4 and fig["request_throughput"] > 0
+        assert fig["compute_dtype"] == "float32"  # the tiny model's own dtype
         assert 0 <= fig["itl_p50_ms"] <= fig["itl_p99_ms"]
         assert fig["e2e_p50_ms"] >= fig["ttft_p50_ms"]
 
