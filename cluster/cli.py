@@ -16,7 +16,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled tiny Qwen3)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"])
     p.add_argument("--replicas", type=int, default=1, help="data-parallel replicas")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype (default: the checkpoint's; bf16/fp16 weights compute in float32 on a CPU "
+                        "without half-precision matmul instructions)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (CPU)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads-per-worker", type=int, default=None)

@@ -25,7 +25,11 @@ def _positive_number(name: str, value) -> None:
 class EngineConfig:
     """How to run one engine: which model, on what, and how to batch.
 
-    model None serves the bundled tiny Qwen3. On the CPU the KV pool is `num_kv_blocks`
+    model None serves the bundled tiny Qwen3. `dtype` None computes in the checkpoint's
+    dtype, except bf16/fp16 weights on a CPU without half-precision matmul instructions
+    (no AVX512-BF16 or AMX), which are upcast to float32 once at load: batched steps run
+    several times faster there, single-stream decode somewhat slower (it reads twice the
+    bytes); pass dtype="bfloat16" to keep bf16. On the CPU the KV pool is `num_kv_blocks`
     blocks; on accelerators it is `memory_fraction` of the device's free memory.
     `pipeline_depth` 2 dispatches step N+1 before step N returns; 1 turns that off.
     `device_outputs` None reads RAYLM_DEVICE_OUTPUTS (unset or 1: sample on the
