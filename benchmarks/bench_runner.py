@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from cluster.bench_runs import hf_model  # HF's Qwen3ForCausalLM on our very tensors
 from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, WorkerSampling
 from workers.device import synchronize, torch_device
 from workers.loader import random_qwen3, resolve_dtype
@@ -35,7 +36,8 @@ def runner_stepper(model, batch: int, context: int, num_steps: int, device: str,
     per_seq = -(-total // bs)
     runner = ModelRunner(RunnerConfig(device=device, block_size=bs, num_kv_blocks=batch * per_seq,
                                       max_num_seqs=batch, max_num_batched_tokens=max(batch, 256),
-                                      max_model_len=max(total, 256), device_outputs=device_outputs), model=model)
+                                      max_model_len=max(total, 256), device_outputs=device_outputs,
+                                      dtype=str(model.dtype).removeprefix("torch.")), model=model)  # HF's dtype
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     new = [NewRequest(i, torch.randint(0, vocab, (context + 1,), generator=g).tolist(), context,
@@ -50,27 +52,6 @@ def runner_stepper(model, batch: int, context: int, num_steps: int, device: str,
         synchronize(runner.device)
 
     return runner, step
-
-
-def hf_model(model):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    c = model.config
-    config = Qwen3Config(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-                         num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                         max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
-                         rms_norm_eps=c.rms_norm_eps, rope_parameters={"rope_theta": c.rope_theta, "rope_type": "default"})
-    with torch.device("meta"):
-        hf = Qwen3ForCausalLM(config)
-    state = {k: v for k, v in model.state_dict().items()}
-    if c.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    hf.load_state_dict(state, assign=True, strict=False)  # share our tensors: no second copy
-    device = model.model.embed_tokens.weight.device
-    hf.model.rotary_emb.inv_freq = model.inv_freq.clone()
-    hf.model.rotary_emb.original_inv_freq = model.inv_freq.clone()
-    return hf.to(device).eval()
 
 
 def hf_stepper(hf, batch: int, context: int):

@@ -331,7 +331,7 @@ def hf_model(model):
     hf.model.rotary_emb.original_inv_freq = model.inv_freq.clone()
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
-    return hf.eval()
+    return hf.to(model.model.embed_tokens.weight.device).eval()  # buffers HF made itself follow the weights
 
 
 def _gen_config(max_new_tokens: int):
