@@ -54,7 +54,6 @@ import platform
 import statistics
 import sys
 import time
-from copy import deepcopy
 from dataclasses import dataclass, field
 
 from cluster.bench_runs import (HF_MODES, HF_RUNNERS, EngineSpec, Workload, agreement, hf_model, kv_blocks_for,
@@ -186,16 +185,6 @@ def _model_spec(a) -> str:
     return os.path.expanduser(a.model)
 
 
-def _cast(model, dtype: str):
-    """A copy of our model in another dtype (the original is left as it is)."""
-    from workers.loader import resolve_dtype
-
-    copy = deepcopy(model).to(resolve_dtype(dtype))
-    copy.tie_weights()
-    copy.reset_rotary()
-    return copy
-
-
 def _driver_model(model_spec: str, dtype: str):
     from workers.loader import is_random_spec, load_model, random_model
 
@@ -278,7 +267,7 @@ class Bench:
     # ---- running ----
     def execute(self) -> None:
         from workers.device import set_cpu_threads
-        from workers.loader import is_random_spec, weights_fingerprint
+        from workers.loader import cast_model, is_random_spec, resolve_dtype, weights_fingerprint
 
         a = self.a
         model = None
@@ -286,7 +275,7 @@ class Bench:
             t = time.perf_counter()
             model = _driver_model(self.model_spec, a.dtype)
             log.info("driver copy of the model built in %.1fs", time.perf_counter() - t)
-        hfs = {dt: hf_model(model if dt == a.dtype else _cast(model, dt))
+        hfs = {dt: hf_model(model if dt == a.dtype else cast_model(model, resolve_dtype(dt), copy=True))
                for dt in self.hf_dtypes()} if any(r.kind.startswith("hf-") for r in self.runs) else {}
         mine = weights_fingerprint(model) if model is not None and is_random_spec(self.model_spec) else None
         for rnd in range(a.repeat):

@@ -60,9 +60,13 @@ def make_workload(num_requests: int, input_len: tuple[int, int], output_len: tup
     return Workload(prompts, outs)
 
 
+def _blocks_needed(prompts: list[list[int]], output_lens: list[int], block_size: int) -> int:
+    return sum(-(-(len(p) + o) // block_size) for p, o in zip(prompts, output_lens))
+
+
 def kv_blocks_for(wl: Workload, block_size: int) -> int:
     """Enough KV blocks for every request at once (no preemption), plus the warm-up."""
-    return sum(-(-(len(p) + o) // block_size) for p, o in zip(wl.prompts, wl.output_lens)) + 8
+    return _blocks_needed(wl.prompts, wl.output_lens, block_size) + 8
 
 
 # ---- figures ----------------------------------------------------------------------------
@@ -346,7 +350,7 @@ def _cb_config(wl: Workload, spec: EngineSpec, output_lens: list[int]):
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     page = ContinuousBatchingConfig.page_size  # HF's default page (256 tokens)
-    pages = sum(-(-(len(p) + o) // page) for p, o in zip(wl.prompts, output_lens)) + 2
+    pages = _blocks_needed(wl.prompts, output_lens, page) + 2
     return ContinuousBatchingConfig(num_blocks=pages, max_batch_tokens=spec.max_num_batched_tokens,
                                     max_requests_per_batch=spec.batch_size, allow_block_sharing=True)
 

@@ -12,6 +12,7 @@ seeded random weights built in memory (benchmarks); it has no tokenizer.
 from __future__ import annotations
 
 import json
+from copy import deepcopy
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qsl
@@ -142,6 +143,17 @@ def empty_model(config: Qwen3Config, dtype: torch.dtype, device) -> Qwen3ForCaus
     model.tie_weights()
     model.reset_rotary()
     return model.eval().requires_grad_(False)
+
+
+def cast_model(model: Qwen3ForCausalLM, dtype: torch.dtype, device=None, *, copy: bool = False) -> Qwen3ForCausalLM:
+    """`model` in `dtype` (on `device`), embeddings re-tied and RoPE tables redone in fp32.
+    Module.to works in place: copy=True leaves the caller's model as it was."""
+    if copy:
+        model = deepcopy(model)
+    model = model.to(device=device, dtype=dtype)
+    model.tie_weights()
+    model.reset_rotary()
+    return model
 
 
 @torch.no_grad()

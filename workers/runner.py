@@ -10,7 +10,6 @@ With device outputs off it returns the logits instead, trimmed to the real vocab
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 import time
@@ -21,9 +20,8 @@ import torch
 from scheduler.protocol import NewRequest, ScheduledRow, StepPlan, StepResult, USE_RESIDENT, WorkerSampling
 from workers.device import KINDS, compute_dtype, num_kv_blocks, set_cpu_threads, synchronize, torch_device
 from workers.kv_cache import KVCache
-from workers.loader import (DTYPES, bundled_model_path, is_random_spec, load_model, load_tokenizer,
-                            load_config, parse_random_spec, random_model, resolve_dtype,
-                            weights_fingerprint)
+from workers.loader import (DTYPES, bundled_model_path, cast_model, is_random_spec, load_config, load_model,
+                            load_tokenizer, parse_random_spec, random_model, resolve_dtype, weights_fingerprint)
 from workers.models.qwen3 import Qwen3ForCausalLM
 from workers.outputs import ResidentOutputs, device_outputs_enabled, encode_logits
 from workers.sampler import Sampler, SamplingBatch, row_logprobs
@@ -114,11 +112,7 @@ class ModelRunner:
         self.weights_dtype = stored or model.dtype
         dtype = compute_dtype(self.device, self.weights_dtype, requested)
         if model.dtype != dtype or model.model.embed_tokens.weight.device != self.device:
-            if given:
-                model = copy.deepcopy(model)  # Module.to works in place: the caller keeps its model as it was
-            model = model.to(device=self.device, dtype=dtype)
-            model.tie_weights()
-            model.reset_rotary()
+            model = cast_model(model, dtype, self.device, copy=given)  # a caller's model stays as it was
         if dtype != self.weights_dtype:
             log.info("%s weights compute in %s on %s", self.weights_dtype, dtype, self.device)
         self.model = model.eval()
