@@ -1,0 +1,113 @@
+"""The op table: the contract between the Qwen3 model and a device's kernels.
+
+The model is written once against `OpTable`; each device fills one in (`reference` is
+plain torch and defines correct; `cpu`, `cuda` and `npu` are the fast ones). A table is
+chosen per runner by `workers.ops.get_op_table` and every table is tested against the
+reference.
+
+The flat batch of a step is `num_decode` decode rows (one token each) followed by the
+prefill chunks, in that order. `AttentionMetadata` describes it once per step in the
+layout the fused paged-attention kernels of vLLM / vllm-ascend / FlashInfer all use
+(cumulative query starts, per-sequence KV lengths, a padded int32 block table); a backend
+adds what it needs in `prepare` (masks, kernel plans), once per step, shared by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_tokens: int  # T: rows of the flat batch
+    num_decode: int  # D: the first D sequences are decode rows, one query token each
+    block_size: int
+    slot_mapping: torch.Tensor  # [T] int64: where each token's K/V is written (block * block_size + offset)
+    query_start_loc: torch.Tensor  # [B + 1] int32: cumulative query starts; sequence i owns rows [qsl[i], qsl[i+1])
+    seq_lens: torch.Tensor  # [B] int32: keys sequence i attends to after this step (cached + new)
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with block 0
+    # the same numbers on the host (kernels and graph buckets that need Python ints)
+    query_lens_host: list[int] = field(default_factory=list)  # [B]
+    seq_lens_host: list[int] = field(default_factory=list)  # [B]
+    extra: dict = field(default_factory=dict)  # the backend's own per-step state (masks, plans)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_host, default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_host, default=0)
+
+
+class AttentionBackend:
+    """Paged attention over a KVCache (workers/kv_cache.py: per layer K and V of
+    [num_blocks, block_size, kv_heads, head_dim], contiguous)."""
+
+    name = "base"
+
+    def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """Once per step, before the first layer: fill meta.extra. Default: nothing."""
+        return meta
+
+    def write_kv(self, kv_cache, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        """k, v [T, KVH, D] -> the cache at meta.slot_mapping."""
+        raise NotImplementedError
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, layer: int,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H, D], this step's k/v [T, KVH, D] (already written) -> [T, H * D].
+
+        Causal within each sequence, with its cached keys before its new ones (a chunk's
+        query i sits at position seq_len - query_len + i)."""
+        raise NotImplementedError
+
+
+class OpTable:
+    """Everything the model computes with besides plain tensor views."""
+
+    name = "base"
+    attention: AttentionBackend
+
+    # -- linear layers: weights prepared once at load (packed, reordered, fused) --
+    def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        """weight [out, in] -> a handle `linear` takes (default: the weight itself)."""
+        return (weight, bias)
+
+    def linear(self, x: torch.Tensor, handle) -> torch.Tensor:
+        """x [T, in] -> [T, out]."""
+        weight, bias = handle
+        return torch.nn.functional.linear(x, weight, bias)
+
+    # -- elementwise and norms --
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Qwen3RMSNorm: normalize in fp32, cast back to x.dtype, then scale."""
+        raise NotImplementedError
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual); the sum is in x.dtype, as HF adds."""
+        s = x + residual
+        return self.rms_norm(s, weight, eps), s
+
+    def rotary_cos_sin(self, positions: torch.Tensor, inv_freq: torch.Tensor,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, head_dim] (fp32 math, cast to dtype), once per step."""
+        freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def apply_rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate-half (neox) RoPE: q [T, H, D], k [T, KVH, D], cos/sin [T, D]."""
+        raise NotImplementedError
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, 2I] (gate then up) -> silu(x[:, :I]) * x[:, I:]  [T, I]."""
+        raise NotImplementedError
