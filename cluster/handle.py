@@ -105,9 +105,11 @@ class LLMHandle:
         """The engine's Prometheus metrics, in the text exposition format."""
         return self._engine.metrics_text()
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        """The prompt text the model's chat template makes of a conversation."""
-        return self._engine.apply_chat_template(messages)
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            template_kwargs: dict | None = None) -> str:
+        """The prompt text the model's chat template makes of a conversation (with the tools
+        offered and extra template variables such as {"enable_thinking": False})."""
+        return self._engine.apply_chat_template(messages, tools, template_kwargs)
 
     # ---- lifetime ----
     def shutdown(self) -> None:

@@ -2,11 +2,16 @@
 
 Bodies are parsed strictly from JSON (a string where a number belongs is an error,
 naming the field); ranges are then checked by SamplingParams, whose errors name the
-field and value. Features raylm does not have (n > 1, echo, penalties, logit_bias,
-tools) are refused with a 400 that says so, never silently ignored."""
+field and value. Chat requests may offer tools (tool_choice "none", "auto", "required" or a named function)
+and pass chat_template_kwargs (e.g. {"enable_thinking": false}) to the template; replies
+carry reasoning_content and tool_calls (cluster/chat_output.py). Features raylm does not
+have (n > 1, echo, penalties, logit_bias) are refused with a 400 that says so, never
+silently ignored."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 import uuid
 from typing import Literal
@@ -98,13 +103,67 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+    arguments: str  # a JSON object as text, as OpenAI sends it
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict:
+        m = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            m["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                               for c in self.tool_calls]
+        if self.reasoning_content is not None:
+            m["reasoning_content"] = self.reasoning_content
+        if self.tool_call_id is not None:
+            m["tool_call_id"] = self.tool_call_id
+        return m
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_Common):
@@ -112,15 +171,73 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict | None = None
 
-    def unsupported(self):
-        if self.tools:
-            return "tools", "(function calling is not supported)"
-        return super().unsupported()
+    def check(self) -> None:
+        """What pydantic cannot say alone; each error starts with the field's name."""
+        for i, m in enumerate(self.messages):
+            if m.content is None and not (m.role == "assistant" and m.tool_calls):
+                raise ValueError(f"messages[{i}].content must be given for role {m.role!r} (only an assistant "
+                                 "turn with tool_calls may leave it out)")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError(f"tool_choice {_shown(choice)!r} needs tools, but none are offered")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in self.tool_names():
+            raise ValueError(f"tool_choice names function {choice.function.name!r}, which is not among the "
+                             f"tools offered: {self.tool_names()}")
+        names = self.tool_names()
+        if len(set(names)) != len(names):
+            raise ValueError(f"tools must have distinct names, got {names}")
+        reserved = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_RESERVED)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {reserved}: the server sets them")
+
+    def tool_names(self) -> list[str]:
+        return [t.function.name for t in self.tools or []]
+
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        return self.tool_choice or "auto"
 
     def chat_messages(self) -> list[dict]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        return [m.for_template() for m in self.messages]
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools the prompt lists: none when tool_choice is "none"."""
+        if self.effective_tool_choice() == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def template_kwargs(self) -> dict:
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.forced_prefix():
+            kwargs["enable_thinking"] = False  # the call starts right after the prompt
+        return kwargs
+
+    def forced_prefix(self) -> str:
+        """The start of a tool call that "required" or a named function puts at the end of the prompt."""
+        choice = self.effective_tool_choice()
+        if isinstance(choice, NamedToolChoice):
+            return '<tool_call>\n{"name": ' + json.dumps(choice.function.name) + ', "arguments": '
+        return '<tool_call>\n{"name": "' if choice == "required" else ""
+
+    def stop_strings(self) -> list[str]:
+        """Stop strings: the client's, plus the end of a call when only one call may be made."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        one_call = isinstance(self.effective_tool_choice(), NamedToolChoice) or not self.parallel_tool_calls
+        if self.effective_tool_choice() != "none" and one_call:
+            stop.append("</tool_call>")
+        return stop
+
+    def sampling_params(self, max_tokens_default, logprobs) -> SamplingParams:
+        self.check()
+        params = super().sampling_params(max_tokens_default, logprobs)
+        stop = self.stop_strings()
+        return dataclasses.replace(params, stop=tuple(stop)) if stop else params
 
     def logprobs_n(self) -> int | None:
         if not self.logprobs:
@@ -128,6 +245,13 @@ class ChatCompletionRequest(_Common):
                 raise ValueError(f"top_logprobs needs logprobs=true, got top_logprobs={self.top_logprobs}")
             return None
         return self.top_logprobs if self.top_logprobs is not None else 0
+
+
+TEMPLATE_RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "tokenize", "continue_final_message"})
+
+
+def _shown(value) -> object:
+    return value.model_dump() if isinstance(value, BaseModel) else value
 
 
 # ---- responses ----
@@ -172,10 +296,15 @@ def completion_response(rid: str, model: str, outputs: list[RequestOutput]) -> d
                                                sum(len(o.token_ids) for o in outputs))}
 
 
-def chat_response(rid: str, model: str, out: RequestOutput) -> dict:
+def chat_response(rid: str, model: str, out: RequestOutput, parsed=None) -> dict:
+    """parsed: the choice's ChatOutput (reasoning and tool calls); None leaves the text as content."""
+    if parsed is None:
+        message, reason = {"role": "assistant", "content": out.text}, finish_reason(out.finish_reason)
+    else:
+        message, reason = parsed.message(out.text), finish_reason(parsed.finish_reason(out.finish_reason))
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                         "logprobs": chat_logprobs(out.logprobs), "finish_reason": finish_reason(out.finish_reason)}],
+            "choices": [{"index": 0, "message": message, "logprobs": chat_logprobs(out.logprobs),
+                         "finish_reason": reason}],
             "usage": usage(out.num_prompt_tokens, len(out.token_ids))}
 
 

@@ -69,8 +69,8 @@ class EngineActor:
     def metrics_text(self) -> bytes:
         return self.engine.metrics_text()
 
-    def apply_chat_template(self, messages) -> str:
-        return self.engine.apply_chat_template(messages)
+    def apply_chat_template(self, messages, tools=None, template_kwargs=None) -> str:
+        return self.engine.apply_chat_template(messages, tools, template_kwargs)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -173,8 +173,8 @@ class RemoteEngine:
         rid = request_id if request_id is not None else uuid.uuid4().hex
         return RemoteStream(self._actor, rid, prompt, params, submit_now=loop is None)
 
-    def apply_chat_template(self, messages) -> str:
-        return _get(self._actor.apply_chat_template.remote(messages))
+    def apply_chat_template(self, messages, tools=None, template_kwargs=None) -> str:
+        return _get(self._actor.apply_chat_template.remote(messages, tools, template_kwargs))
 
     def abort(self, request_id: str) -> bool:
         return _get(self._actor.abort.remote(request_id))

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import openai_api as oa
+from cluster.chat_output import ChatOutput
 from cluster.errors import EngineDeadError, EngineOverloadedError
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
@@ -153,18 +154,21 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
             body.max_tokens = body.max_completion_tokens
         try:
             params = _params(body, None, body.logprobs_n())  # None: until the context is full
-            prompt = handle.apply_chat_template(body.chat_messages())
+            prefix = body.forced_prefix()  # "required" or a named function: the call starts in the prompt
+            prompt = handle.apply_chat_template(body.chat_messages(), body.template_tools(),
+                                                body.template_kwargs()) + prefix
         except Exception as e:
             raise _from_exception(e) from e
         rid = oa.new_id("chatcmpl")
+        parsed = ChatOutput(prompt, parse_tools=body.effective_tool_choice() != "none", forced_prefix=prefix)
         if body.stream:
-            return await _stream(handle.astream(prompt, params), _chat_events(rid, body))
+            return await _stream(handle.astream(prompt, params), _chat_events(rid, body, parsed))
         try:
             out = await handle.agenerate(prompt, params)
         except Exception as e:
             raise _from_exception(e) from e
         _raise_if_failed([out])
-        return oa.chat_response(rid, body.model, out)
+        return oa.chat_response(rid, body.model, out, parsed)
 
     return BodyLimit(app, max_body_bytes)
 
@@ -243,7 +247,7 @@ def _completion_events(rid: str, body):
     return render
 
 
-def _chat_events(rid: str, body):
+def _chat_events(rid: str, body, parsed: ChatOutput):
     async def render(first, deltas):
         created = int(time.time())
         yield oa.chat_chunk(rid, body.model, created, {"role": "assistant", "content": ""})
@@ -251,8 +255,9 @@ def _chat_events(rid: str, body):
             if d.finish_reason == "error":
                 yield oa.error_body(f"generation failed: {d.output.error}", "service_unavailable")
                 return
-            yield oa.chat_chunk(rid, body.model, created, {"content": d.text} if d.text else {}, d.logprobs,
-                                d.finish_reason)
+            fields = parsed.feed_last(d.text) if d.finished else parsed.feed(d.text)
+            yield oa.chat_chunk(rid, body.model, created, fields, d.logprobs,
+                                parsed.finish_reason(d.finish_reason) if d.finished else None)
             if d.finished and body.include_usage:
                 yield oa.usage_chunk(rid, "chat.completion.chunk", body.model, created,
                                      d.output.num_prompt_tokens, len(d.output.token_ids))
