@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from workers.loader import (CheckpointError, bundled_model_path, eos_token_ids, load_config, load_model,
                             load_tokenizer, random_qwen3)
-from workers.tiny_model.build import build
+from workers.tiny_model.corpus import TOOLS, documents
+from workers.tiny_model.train import BPE_DOCS, SEED, build, render, write_metadata
 
 IDS = [[3, 17, 42, 99, 7, 120, 64, 5, 1]]
 
@@ -144,13 +145,48 @@ def test_bundled_model_loads_in_hf_and_here():
     assert sum(f.stat().st_size for f in Path(path).iterdir()) < 4 * 2**20
 
 
-def test_rebuilding_the_bundled_model_is_byte_identical(tmp_path):
-    build(tmp_path)
+def test_the_bundled_tokenizer_and_config_files_rebuild_byte_identical(tmp_path):
+    write_metadata(tmp_path, [render(d) for d in documents(SEED, BPE_DOCS)])
     shipped = Path(bundled_model_path())
     built = sorted(p.name for p in tmp_path.iterdir())
-    assert built == sorted(p.name for p in shipped.iterdir() if p.suffix in (".json", ".safetensors", ".jinja"))
+    assert built == sorted(p.name for p in shipped.iterdir() if p.suffix in (".json", ".jinja"))
     for name in built:
         assert (tmp_path / name).read_bytes() == (shipped / name).read_bytes(), name
+
+
+def test_training_is_deterministic(tmp_path):
+    """The recipe that made the shipped weights, cut to two steps on a few documents, twice."""
+    a, b = build(tmp_path / "a", steps=2, num_docs=60, log=lambda _: None), build(
+        tmp_path / "b", steps=2, num_docs=60, log=lambda _: None)
+    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+    for p in a.iterdir():
+        assert p.read_bytes() == (b / p.name).read_bytes(), p.name
+    fresh, trained = load_file(a / "model.safetensors"), load_file(Path(bundled_model_path()) / "model.safetensors")
+    assert fresh.keys() == trained.keys()
+
+
+def test_bundled_chat_template_renders_qwen3_turns():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(bundled_model_path())
+    tool = TOOLS["get_weather"]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "reasoning_content": "Use the tool.",
+                 "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                {"role": "tool", "content": '{"condition": "sunny"}'}]
+    text = tok.apply_chat_template(messages, tools=[tool], tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n\nYou may call one or more functions")
+    assert "<tools>\n" + json.dumps(tool, ensure_ascii=False) + "\n</tools>" in text
+    assert ('<|im_start|>assistant\n<think>\nUse the tool.\n</think>\n\n<tool_call>\n{"name": "get_weather", '
+            '"arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n') in text
+    assert text.endswith('<|im_start|>user\n<tool_response>\n{"condition": "sunny"}\n</tool_response><|im_end|>\n'
+                         "<|im_start|>assistant\n")
+    off = tok.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") and "# Tools" not in off
+    # the markup is one token each and survives skip_special_tokens, so parsers see it
+    for mark in ("<think>", "</think>", "<tool_call>", "</tool_call>"):
+        ids = tok.encode(mark, add_special_tokens=False)
+        assert len(ids) == 1 and tok.decode(ids, skip_special_tokens=True) == mark
 
 
 def test_random_qwen3_has_the_requested_shape():

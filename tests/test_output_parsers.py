@@ -160,3 +160,33 @@ def test_parsers_never_raise_and_streams_add_up_to_the_whole(pieces, cuts, seed,
     whole = parse_tool_calls(text, _ids())
     assert _stream_tools(_cuts(text, cuts, seed)) == whole
     assert _stream_reasoning(_cuts(text, cuts, seed), in_think) == split_reasoning(text, in_think)
+
+
+def test_chat_output_splits_reasoning_then_tool_calls_whole_and_streamed():
+    from cluster.chat_output import ChatOutput
+
+    text = "<think>\nThe user wants Paris weather.\n</think>\n\n" + CALL
+    msg = ChatOutput("<|im_start|>assistant\n", parse_tools=True, new_id=_ids()).message(text)
+    assert msg == {"role": "assistant", "content": None, "reasoning_content": "The user wants Paris weather.",
+                   "tool_calls": [{"id": "call_0", "type": "function",
+                                   "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    out = ChatOutput("<|im_start|>assistant\n", parse_tools=True, new_id=_ids())
+    fields = [out.feed(d) for d in _cuts(text, 7, 3)] + [out.finish()]
+    assert "".join(f.get("reasoning_content", "") for f in fields) == msg["reasoning_content"]
+    assert sum((f.get("tool_calls", []) for f in fields), []) == [{"index": 0, **msg["tool_calls"][0]}]
+    assert not any("content" in f for f in fields)
+    assert out.finish_reason("stop") == "tool_calls" and out.finish_reason("length") == "length"
+    # without tools the same text stays content after the reasoning
+    plain = ChatOutput("<|im_start|>assistant\n", parse_tools=False).message(text)
+    assert plain["content"] == CALL and "tool_calls" not in plain
+
+
+def test_chat_output_with_a_forced_call_prefix():
+    from cluster.chat_output import ChatOutput
+
+    prefix = '<tool_call>\n{"name": "get_time", "arguments": '
+    prompt = "<|im_start|>assistant\n<think>\n\n</think>\n\n" + prefix
+    out = ChatOutput(prompt, parse_tools=True, forced_prefix=prefix, new_id=_ids())
+    msg = out.message('{"city": "Tokyo"}}\n')  # a stop string cut "</tool_call>"
+    assert msg["content"] is None and msg["reasoning_content"] is None
+    assert msg["tool_calls"][0]["function"] == {"name": "get_time", "arguments": '{"city": "Tokyo"}'}

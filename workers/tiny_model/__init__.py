@@ -1,1 +1,1 @@
-"""The bundled tiny Qwen3 checkpoint (package data), built by `python -m workers.tiny_model.build`."""
+"""The bundled tiny Qwen3 checkpoint (package data), trained by `python -m workers.tiny_model.train`."""

@@ -1,0 +1,222 @@
+"""Train the bundled tiny Qwen3 checkpoint, deterministically.
+
+    python -m workers.tiny_model.train [OUT_DIR] [--steps N]
+
+writes config.json, generation_config.json, tokenizer.json, tokenizer_config.json,
+chat_template.jinja and model.safetensors (default OUT_DIR: this package). The corpus is
+synthetic (corpus.py, from a fixed seed); the tokenizer is a byte-level BPE trained on it
+with Qwen's pre-tokenizer, special tokens (<|endoftext|>, <|im_start|>, <|im_end|>) and
+added tokens (<think>, </think>, <tool_call>, </tool_call>, <tool_response>,
+</tool_response>); the model is HF's Qwen3ForCausalLM in fp32, trained with AdamW on one
+thread count, seeded, with deterministic algorithms, so the same machine reproduces the
+weights bit for bit (another CPU or thread count may differ in the last bits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+from workers.tiny_model.corpus import Chat, documents
+
+HERE = Path(__file__).resolve().parent
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+VOCAB_SIZE = 2048
+PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32)
+SEED = 20250601
+NUM_DOCS = 10000
+BPE_DOCS = 3000  # the tokenizer learns from the first documents
+STEPS = 450
+BATCH = 24
+MAX_LEN = 448
+LR, WARMUP, THREADS = 3e-3, 40, 1
+
+
+def chat_template() -> str:
+    return (HERE / "chat_template.jinja").read_text(encoding="utf-8")
+
+
+def render(doc: str | Chat) -> tuple[str, str]:
+    """(context, target): the loss covers the target only; prose is all target."""
+    if isinstance(doc, str):
+        return "", doc + "<|endoftext|>"
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    kwargs = dict(tools=doc.tools, chat_template=chat_template(), enable_thinking=doc.enable_thinking)
+    prompt = render_jinja_template([doc.messages], add_generation_prompt=True, **kwargs)[0][0]
+    turn = {"role": "assistant", "content": doc.content, "reasoning_content": doc.reasoning,
+            "tool_calls": [{"type": "function", "function": c} for c in doc.tool_calls]}
+    full = render_jinja_template([doc.messages + [turn]], **kwargs)[0][0]
+    if not full.startswith(prompt):
+        raise RuntimeError(f"the template's generation prompt is not a prefix of the turn:\n{prompt!r}\n{full!r}")
+    return prompt, full[len(prompt):].removesuffix("\n")  # the target ends with <|im_end|>
+
+
+def build_tokenizer(texts: list[str]):
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    reserved = len(SPECIAL_TOKENS) + len(ADDED_TOKENS)
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE - reserved, min_frequency=2, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
+    marks = SPECIAL_TOKENS + ADDED_TOKENS
+    plain = []
+    for t in texts:  # markup tokens are whole tokens, never BPE material
+        for m in marks:
+            t = t.replace(m, "\n")
+        plain.append(t)
+    tok.train_from_iterator(plain, trainer=trainer)
+    tok.add_special_tokens(SPECIAL_TOKENS)  # ids follow the learned vocab, as in Qwen
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in ADDED_TOKENS])
+    return tok
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def write_tokenizer_files(tok, out: Path) -> dict:
+    """tokenizer.json, tokenizer_config.json, chat_template.jinja; returns the ids of the markers."""
+    tok.save(str(out / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS + ADDED_TOKENS}
+    added = {str(ids[t]): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                           "single_word": False, "special": t in SPECIAL_TOKENS} for t in ids}
+    _write_json(out / "tokenizer_config.json", {
+        "added_tokens_decoder": added, "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "bos_token": None, "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>", "errors": "replace",
+        "model_max_length": 4096, "pad_token": "<|endoftext|>", "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer", "unk_token": None,
+    })
+    if out.resolve() != HERE:
+        (out / "chat_template.jinja").write_text(chat_template(), encoding="utf-8")
+    return ids
+
+
+def model_config(vocab_size: int, ids: dict) -> dict:
+    return {
+        "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"], "hidden_act": "silu",
+        "initializer_range": 0.02, "max_position_embeddings": 4096, "max_window_layers": SHAPE["num_hidden_layers"],
+        "model_type": "qwen3", "rms_norm_eps": 1e-6, "rope_scaling": None, "rope_theta": 1000000.0,
+        "sliding_window": None, "tie_word_embeddings": True, "torch_dtype": "float32", "use_cache": True,
+        "use_sliding_window": False, "vocab_size": vocab_size, **SHAPE,
+    }
+
+
+def encode(tok, rendered) -> list[tuple[list[int], list[int]]]:
+    """Per rendered document: token ids and the loss labels (-100 outside the target)."""
+    rows = []
+    for context, target in rendered:
+        c = tok.encode(context, add_special_tokens=False).ids if context else []
+        t = tok.encode(target, add_special_tokens=False).ids
+        ids = (c + t)[:MAX_LEN]
+        rows.append((ids, ([-100] * len(c) + t)[:MAX_LEN]))
+    return rows
+
+
+def batches(rows, steps: int, rng: random.Random):
+    """`steps` batches of BATCH rows of similar length (shuffled, then sorted in windows)."""
+    order: list[int] = []
+    while len(order) < steps * BATCH:
+        epoch = list(range(len(rows)))
+        rng.shuffle(epoch)
+        for w in range(0, len(epoch), BATCH * 8):
+            window = sorted(epoch[w:w + BATCH * 8], key=lambda i: len(rows[i][0]))
+            chunks = [window[j:j + BATCH] for j in range(0, len(window), BATCH) if len(window[j:j + BATCH]) == BATCH]
+            rng.shuffle(chunks)
+            for c in chunks:
+                order.extend(c)
+    for s in range(steps):
+        yield [rows[i] for i in order[s * BATCH:(s + 1) * BATCH]]
+
+
+def train(tok, rendered, ids: dict, config: dict, steps: int, log=print):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(SEED)
+    torch.set_num_threads(THREADS)
+    torch.use_deterministic_algorithms(True)
+    rows = encode(tok, rendered)
+    cfg = Qwen3Config(**{k: v for k, v in config.items() if k not in ("architectures", "torch_dtype", "rope_scaling")},
+                      rope_parameters={"rope_type": "default", "rope_theta": config["rope_theta"]})
+    model = Qwen3ForCausalLM(cfg).float().train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    rest = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
+                            lr=LR, betas=(0.9, 0.95), eps=1e-8)
+    pad, rng, t0 = ids["<|endoftext|>"], random.Random(SEED + 1), time.perf_counter()
+    for step, batch in enumerate(batches(rows, steps, rng)):
+        lr = LR * min(1.0, (step + 1) / WARMUP) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        width = max(len(r[0]) for r in batch)
+        x = torch.tensor([r[0] + [pad] * (width - len(r[0])) for r in batch])
+        y = torch.tensor([r[1] + [-100] * (width - len(r[1])) for r in batch])
+        hidden = model.model(input_ids=x).last_hidden_state  # [batch, width, hidden]; right padding is never attended
+        keep = y[:, 1:] != -100  # logits only where there is a loss: the LM head is a large part of the step
+        loss = torch.nn.functional.cross_entropy(model.lm_head(hidden[:, :-1][keep]), y[:, 1:][keep])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 25 == 0 or step == steps - 1:
+            log(f"step {step:4d}/{steps} loss {loss.item():.3f} lr {lr:.2e} {time.perf_counter() - t0:.0f}s")
+    return model.eval()
+
+
+def write_metadata(out: Path, rendered):
+    """The tokenizer (trained on `rendered`), its files and the model's config files."""
+    tok = build_tokenizer([c + t for c, t in rendered])
+    ids = write_tokenizer_files(tok, out)
+    config = model_config(tok.get_vocab_size(with_added_tokens=True), ids)
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json", {
+        "bos_token_id": ids["<|endoftext|>"], "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+        "pad_token_id": ids["<|endoftext|>"]})
+    return tok, ids, config
+
+
+def build(out_dir, steps: int = STEPS, num_docs: int = NUM_DOCS, log=print) -> Path:
+    """Write the whole checkpoint to out_dir: tokenizer and config files, then trained weights."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rendered = [render(d) for d in documents(SEED, num_docs)]
+    tok, ids, config = write_metadata(out, rendered[:BPE_DOCS])
+    model = train(tok, rendered, ids, config, steps, log)
+    weights = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out_dir", nargs="?", default=str(HERE))
+    p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument("--docs", type=int, default=NUM_DOCS)
+    a = p.parse_args(argv)
+    target = build(a.out_dir, a.steps, a.docs, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(f"wrote the tiny Qwen3 checkpoint to {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
