@@ -267,6 +267,11 @@ class Engine:
         """Prometheus exposition text."""
         return self.metrics.render()
 
+    def worker_stats(self) -> list[dict]:
+        """Per replica, its worker: where it runs (pid, node, device) and what it computes
+        (dtype, weights fingerprint, KV blocks). One call to each worker."""
+        return [{**r.info, **r.worker_stats()} for r in self.replicas]
+
     def stats(self) -> dict:
         reps = [r.snapshot() for r in self.replicas]
         total = {}

@@ -66,6 +66,9 @@ class EngineActor:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    def worker_stats(self) -> list[dict]:
+        return self.engine.worker_stats()
+
     def metrics_text(self) -> bytes:
         return self.engine.metrics_text()
 
@@ -181,6 +184,9 @@ class RemoteEngine:
 
     def stats(self) -> dict:
         return _get(self._actor.stats.remote())
+
+    def worker_stats(self) -> list[dict]:
+        return _get(self._actor.worker_stats.remote())
 
     def metrics_text(self) -> bytes:
         return _get(self._actor.metrics_text.remote())
