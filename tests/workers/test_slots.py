@@ -8,7 +8,7 @@ import copy
 import pytest
 
 from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, WorkerSampling
-from workers.slots import SlotTable
+from workers.slot_table import SlotTable
 
 BS = 4
 

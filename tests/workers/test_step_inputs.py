@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, WorkerSampling
-from workers.slots import SlotTable
+from workers.slot_table import SlotTable
 from workers.step_inputs import build_step_inputs
 
 BS = 4
