@@ -82,7 +82,8 @@ def test_offline_compare_and_device_outputs_ab(ray_session, tmp_path):
     ratios = doc["ratios"]
     best = max((n for n in runs if n.startswith("hf-")), key=lambda n: runs[n]["summary"]["output_tok_s"])
     assert ratios[f"raylm / best hf ({best})"] == ratios[f"raylm / {best}"]
-    for key in ("raylm / hf-cb", "raylm / hf-generate", "raylm / hf-cb float32", "device outputs / host logits", "engine / bare step loop"):
+    for key in ("raylm / hf-cb", "raylm / hf-generate", "raylm / hf-cb float32", "device outputs / host logits",
+                "engine / bare step loop"):
         assert ratios[key] > 0
     assert {t["met"] for t in doc["targets"].values()} <= {True, False}
     assert doc["machine"]["cores"] >= 1
