@@ -206,7 +206,7 @@ def build(emu: EmulatedNpu, without: tuple[str, ...] = ()) -> tuple[types.Module
               f"{name}: block_table must be int32 [B, max_blocks]")
         _need(isinstance(context_lens, torch.Tensor) and context_lens.dtype == torch.int32
               and context_lens.device.type == "cpu" and context_lens.shape == (query.shape[0],),
-              f"{name}: context_lens must be a host int32 tensor [B]")
+              f"{name}: context_lens must be a host int32 tensor [B], got {context_lens!r}")
         _need(out.shape == query.shape and out.dtype == query.dtype, f"{name}: out must match the query")
         for i, n in enumerate(context_lens.tolist()):
             _need(0 < n <= block_table.shape[1] * bs, f"{name}: context length {n} beyond the block table")

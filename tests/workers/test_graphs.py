@@ -1,0 +1,142 @@
+"""Decode graph capture on the CPU: the NPU table through the torch_npu emulation and a
+fake graph device whose replay re-runs the captured callable. Replays must equal eager
+decode steps (FIA) while batch sizes and context lengths change between steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.workers import npu_emulation
+from tests.workers.fake_graphs import FakeGraphDevice
+from tests.workers.table_model import TableModel
+from workers.graphs import DecodeGraphs, check_graph_sizes, default_graph_sizes
+from workers.ops.base import AttentionMetadata
+from workers.ops.npu import NpuOpTable
+from workers.outputs import ResidentOutputs
+
+pytestmark = pytest.mark.npu_emulated
+
+BS = 16
+
+
+def make_meta(items, num_decode: int) -> AttentionMetadata:
+    """items: (block table, cached tokens, new tokens) per sequence, decode rows first."""
+    width = max(len(t) for t, _, _ in items)
+    slots, qsl, lens = [], [0], []
+    for table, cached, new in items:
+        slots += [table[p // BS] * BS + p % BS for p in range(cached, cached + new)]
+        qsl.append(qsl[-1] + new)
+        lens.append(cached + new)
+    return AttentionMetadata(
+        num_tokens=qsl[-1], num_decode=num_decode, block_size=BS, slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t, _, _ in items], dtype=torch.int32),
+        query_lens_host=[n for _, _, n in items], seq_lens_host=lens)
+
+
+def eager_logits(model, cache, ids, positions, meta):
+    hidden = torch.empty(len(ids), model.config.hidden_size, dtype=model.dtype)
+    model.embed(ids, out=hidden)
+    h = model(hidden, positions, cache, model.ops.attention.prepare(meta))
+    return model.compute_logits(h, torch.empty(len(ids), model.config.vocab_size))
+
+
+class World:
+    """Requests with prompts prefilled eagerly; then decode steps run eagerly and through graphs."""
+
+    def __init__(self, emu, prompts=(5, 20, 33, 3, 16), steps=8, sizes=(1, 2, 4, 8)):
+        g = torch.Generator().manual_seed(7)
+        self.ops = NpuOpTable()
+        self.model = TableModel(self.ops)
+        need = [(p + steps + BS - 1) // BS for p in prompts]
+        self.pad_block = sum(need)
+        order = torch.randperm(sum(need), generator=g).tolist()
+        self.tables, used = [], 0
+        for n in need:
+            self.tables.append(order[used:used + n])
+            used += n
+        self.eager_cache = self.model.new_cache(sum(need) + 1, BS)
+        self.lens = list(prompts)
+        ids = torch.randint(0, self.model.config.vocab_size, (sum(prompts),), generator=g)
+        positions = torch.cat([torch.arange(p) for p in prompts])
+        meta = make_meta([(t, 0, p) for t, p in zip(self.tables, prompts)], num_decode=0)
+        with torch.inference_mode():
+            logits = eager_logits(self.model, self.eager_cache, ids, positions, meta)
+        ends = torch.tensor(prompts).cumsum(0) - 1
+        self.tokens = logits[ends].argmax(-1)  # [R] next input token of each request
+        self.graph_cache = self.model.new_cache(sum(need) + 1, BS)
+        self.graph_cache.data.copy_(self.eager_cache.data)
+        self.device = FakeGraphDevice(emu)
+        self.graphs = DecodeGraphs(model=self.model, attention=self.ops.attention, kv_cache=self.graph_cache,
+                                   outputs=ResidentOutputs("cpu"), sizes=sizes, max_blocks=max(need),
+                                   pad_block=self.pad_block, vocab_size=self.model.config.vocab_size,
+                                   graph_device=self.device)
+
+    def decode(self, active: list[int]):
+        """One decode step of the `active` requests, eagerly and by replay -> both logits."""
+        items = [(self.tables[r], self.lens[r], 1) for r in active]
+        ids = self.tokens[active]
+        positions = torch.tensor([self.lens[r] for r in active])
+        with torch.inference_mode():
+            want = eager_logits(self.model, self.eager_cache, ids, positions, make_meta(items, len(items)))
+            got = self.graphs.run(ids, positions, make_meta(items, len(items))).clone()
+        for i, r in enumerate(active):
+            self.lens[r] += 1
+            self.tokens[r] = want[i].argmax()
+        return got, want
+
+
+SCHEDULE = [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [2], [4, 0, 1], [1, 3], [0, 1, 2, 3, 4], [3], [0, 2, 4, 1]]
+
+
+def test_replays_match_eager_decode(monkeypatch):
+    emu = npu_emulation.install(monkeypatch)
+    w = World(emu)
+    report = w.graphs.capture()
+    assert report.sizes == (1, 2, 4, 8) and report.seconds >= 0
+    assert w.device.warmups == 4
+    emu.calls.clear()
+    for active in SCHEDULE:
+        got, want = w.decode(active)
+        assert got.shape == want.shape == (len(active), w.model.config.vocab_size)
+        torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+    assert w.graphs.num_replays == len(SCHEDULE)
+    assert "_npu_paged_attention" in emu.calls  # graphs decode with paged attention, eager steps with FIA
+    assert emu.external_event_records == len(SCHEDULE) * w.model.config.num_hidden_layers
+    # padding rows wrote only into the pad block: every request block holds the same K/V
+    real = slice(0, w.pad_block)
+    torch.testing.assert_close(w.graph_cache.data[:, :, real], w.eager_cache.data[:, :, real], atol=3e-2, rtol=0)
+    assert not w.eager_cache.data[:, :, w.pad_block].any()
+
+
+def test_without_the_task_update_replays_are_wrong(monkeypatch):
+    """The emulation keeps captured host arguments, so skipping update_graph shows up."""
+    emu = npu_emulation.install(monkeypatch)
+    w = World(emu)
+    w.graphs.capture()
+    monkeypatch.setattr(w.ops.attention, "update_graph", lambda state, meta: None)
+    got, want = w.decode([0, 1, 2, 3, 4])
+    assert not torch.allclose(got, want, atol=3e-2, rtol=3e-2)
+
+
+def test_run_refuses_what_no_graph_holds(monkeypatch):
+    emu = npu_emulation.install(monkeypatch)
+    w = World(emu, sizes=(1, 2))
+    w.graphs.capture()
+    items = [(w.tables[r], w.lens[r], 1) for r in range(3)]
+    with pytest.raises(ValueError, match="no captured decode graph holds 3 rows"):
+        w.graphs.run(w.tokens[:3], torch.tensor(w.lens[:3]), make_meta(items, 3))
+    mixed = make_meta([(w.tables[0], w.lens[0], 1), (w.tables[1], w.lens[1], 2)], num_decode=1)
+    with pytest.raises(ValueError, match="decode-only"):
+        w.graphs.run(w.tokens[:3], torch.tensor([0, 1, 2]), mixed)
+    assert w.graphs.bucket_for(2) == 2 and w.graphs.bucket_for(3) is None
+
+
+def test_graph_sizes():
+    assert default_graph_sizes(64) == (1, 2, 4, 8, 16, 32, 64)
+    assert default_graph_sizes(10) == (1, 2, 4, 8, 10)
+    assert check_graph_sizes([8, 1, 4, 4], 8) == (1, 4, 8)
+    for bad, match in (([], "non-empty"), ([0], "positive"), ([2, 16], "exceeds max_num_seqs 8"), ((1.5,), "positive")):
+        with pytest.raises(ValueError, match=match):
+            check_graph_sizes(bad, 8)
