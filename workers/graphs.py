@@ -134,6 +134,9 @@ class _Bucket:
 class DecodeGraphs:
     def __init__(self, *, model, attention, kv_cache, outputs, sizes, max_blocks: int, pad_block: int,
                  vocab_size: int, graph_device: GraphDevice) -> None:
+        if not getattr(attention, "supports_graphs", False):
+            raise ValueError(f"the {getattr(attention, 'name', type(attention).__name__)} attention backend "
+                             "cannot run in a captured graph; set enforce_eager=True")
         if not 0 <= pad_block < kv_cache.num_blocks:
             raise ValueError(f"pad_block must be a block of the cache (0..{kv_cache.num_blocks - 1}), got {pad_block}")
         self.model, self.attention, self.kv_cache, self.outputs = model, attention, kv_cache, outputs
@@ -167,7 +170,10 @@ class DecodeGraphs:
             query_start_loc=self.query_start_loc[:n + 1], seq_lens=self.seq_lens[:n],
             block_tables=self.block_tables[:n], query_lens_host=[1] * n, seq_lens_host=[1] * n)
         new_state = getattr(self.attention, "new_graph_state", None)
-        state = new_state(n) if new_state else None
+        state = None if new_state is None else new_state(
+            n, max_blocks=self.block_tables.shape[1], device=self.block_tables.device,
+            num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim,
+            dtype=self.model.dtype)
         meta.extra["graph"] = state
         hidden = self.outputs.get_rows("next_hidden", n, (mc.hidden_size,), self.model.dtype)
         logits = self.outputs.get_rows("logits", n, (self.vocab_size,), torch.float32)

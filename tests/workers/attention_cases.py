@@ -15,6 +15,14 @@ import torch
 from workers.kv_cache import KVCache
 from workers.ops.base import AttentionMetadata
 
+# (decode row context lengths, prefill chunks as (cached, new))
+MIXED_BATCHES = [
+    ([5, 1, 40], [(0, 7), (13, 9), (32, 1)]),  # decode + fresh prompt + cached-prefix chunks
+    ([], [(0, 33)]),  # one fresh prompt
+    ([129, 3, 64, 200], []),  # decode only, contexts across block boundaries
+    ([17], [(127, 2), (0, 130), (256, 40)]),  # chunks straddling blocks of 128
+]
+
 
 @dataclass
 class Case:

@@ -16,6 +16,7 @@ result. `install` puts the fake in sys.modules["torch_npu"] and at torch.npu.
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
 from dataclasses import dataclass, field
@@ -173,8 +174,7 @@ def build(emu: EmulatedNpu, without: tuple[str, ...] = ()) -> tuple[types.Module
             _need(atten_mask is not None and tuple(atten_mask.shape) == (MASK_SIZE, MASK_SIZE),
                   f"{name}: sparse_mode 3 takes the compressed {MASK_SIZE}x{MASK_SIZE} mask")
             _need(atten_mask.dtype in (torch.int8, torch.uint8, torch.bool), f"{name}: mask must be int8/uint8/bool")
-            upper = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool).triu(1)
-            _need(torch.equal(atten_mask.bool(), upper), f"{name}: the mask must be 1 strictly above the diagonal")
+            _need(torch.equal(atten_mask.bool(), _upper()), f"{name}: the mask must be 1 strictly above the diagonal")
         else:
             _need(atten_mask is None, f"{name}: an explicit mask with sparse_mode 0 is not emulated")
         keys = key.view(key.shape[0], block_size, kvh, d)
@@ -333,6 +333,11 @@ def build(emu: EmulatedNpu, without: tuple[str, ...] = ()) -> tuple[types.Module
         setattr(tnpu, name, value)
     npu_mod.npu = tnpu
     return npu_mod, tnpu
+
+
+@functools.cache
+def _upper() -> torch.Tensor:
+    return torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool).triu(1)
 
 
 def _rms(x, gamma, eps):

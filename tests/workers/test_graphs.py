@@ -1,23 +1,34 @@
-"""Decode graph capture on the CPU: the NPU table through the torch_npu emulation and a
-fake graph device whose replay re-runs the captured callable. Replays must equal eager
-decode steps (FIA) while batch sizes and context lengths change between steps."""
+"""Decode graph capture on the CPU, with a fake graph device whose replay re-runs the
+captured callable: the NPU table through the torch_npu emulation (eager steps FIA, graphs
+paged attention in updated task groups) and the CUDA table through the FlashInfer
+emulation (graphs: a use_cuda_graph decode wrapper re-planned before each replay).
+Replays must equal eager decode steps while batch sizes and context lengths change."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.workers import npu_emulation
+from tests.workers import flashinfer_emulation, npu_emulation
 from tests.workers.fake_graphs import FakeGraphDevice
 from tests.workers.table_model import TableModel
 from workers.graphs import DecodeGraphs, check_graph_sizes, default_graph_sizes
 from workers.ops.base import AttentionMetadata
+from workers.ops.cuda import CudaOpTable
 from workers.ops.npu import NpuOpTable
 from workers.outputs import ResidentOutputs
 
-pytestmark = pytest.mark.npu_emulated
-
 BS = 16
+KINDS = [pytest.param("npu", marks=pytest.mark.npu_emulated), "cuda"]
+
+
+def install(kind: str, monkeypatch):
+    """The emulated device's op table and a fake graph device attached to it."""
+    if kind == "npu":
+        emu = npu_emulation.install(monkeypatch)
+        return emu, NpuOpTable(), FakeGraphDevice(emu)
+    flashinfer_emulation.install(monkeypatch)
+    return None, CudaOpTable(), FakeGraphDevice()
 
 
 def make_meta(items, num_decode: int) -> AttentionMetadata:
@@ -45,9 +56,9 @@ def eager_logits(model, cache, ids, positions, meta):
 class World:
     """Requests with prompts prefilled eagerly; then decode steps run eagerly and through graphs."""
 
-    def __init__(self, emu, prompts=(5, 20, 33, 3, 16), steps=8, sizes=(1, 2, 4, 8)):
+    def __init__(self, ops, device, prompts=(5, 20, 33, 3, 16), steps=8, sizes=(1, 2, 4, 8)):
         g = torch.Generator().manual_seed(7)
-        self.ops = NpuOpTable()
+        self.ops = ops
         self.model = TableModel(self.ops)
         need = [(p + steps + BS - 1) // BS for p in prompts]
         self.pad_block = sum(need)
@@ -67,7 +78,7 @@ class World:
         self.tokens = logits[ends].argmax(-1)  # [R] next input token of each request
         self.graph_cache = self.model.new_cache(sum(need) + 1, BS)
         self.graph_cache.data.copy_(self.eager_cache.data)
-        self.device = FakeGraphDevice(emu)
+        self.device = device
         self.graphs = DecodeGraphs(model=self.model, attention=self.ops.attention, kv_cache=self.graph_cache,
                                    outputs=ResidentOutputs("cpu"), sizes=sizes, max_blocks=max(need),
                                    pad_block=self.pad_block, vocab_size=self.model.config.vocab_size,
@@ -90,30 +101,34 @@ class World:
 SCHEDULE = [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [2], [4, 0, 1], [1, 3], [0, 1, 2, 3, 4], [3], [0, 2, 4, 1]]
 
 
-def test_replays_match_eager_decode(monkeypatch):
-    emu = npu_emulation.install(monkeypatch)
-    w = World(emu)
+@pytest.mark.parametrize("kind", KINDS)
+def test_replays_match_eager_decode(monkeypatch, kind):
+    emu, ops, device = install(kind, monkeypatch)
+    w = World(ops, device)
     report = w.graphs.capture()
     assert report.sizes == (1, 2, 4, 8) and report.seconds >= 0
     assert w.device.warmups == 4
-    emu.calls.clear()
+    if emu:
+        emu.calls.clear()
     for active in SCHEDULE:
         got, want = w.decode(active)
         assert got.shape == want.shape == (len(active), w.model.config.vocab_size)
         torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
     assert w.graphs.num_replays == len(SCHEDULE)
-    assert "_npu_paged_attention" in emu.calls  # graphs decode with paged attention, eager steps with FIA
-    assert emu.external_event_records == len(SCHEDULE) * w.model.config.num_hidden_layers
+    if emu:  # graphs decode with paged attention, patched before every replay; eager steps with FIA
+        assert "_npu_paged_attention" in emu.calls and "npu_fused_infer_attention_score" in emu.calls
+        assert emu.external_event_records == len(SCHEDULE) * w.model.config.num_hidden_layers
     # padding rows wrote only into the pad block: every request block holds the same K/V
     real = slice(0, w.pad_block)
     torch.testing.assert_close(w.graph_cache.data[:, :, real], w.eager_cache.data[:, :, real], atol=3e-2, rtol=0)
     assert not w.eager_cache.data[:, :, w.pad_block].any()
 
 
-def test_without_the_task_update_replays_are_wrong(monkeypatch):
-    """The emulation keeps captured host arguments, so skipping update_graph shows up."""
-    emu = npu_emulation.install(monkeypatch)
-    w = World(emu)
+@pytest.mark.parametrize("kind", KINDS)
+def test_without_the_update_replays_are_wrong(monkeypatch, kind):
+    """The emulations keep what was captured (host arguments, static page tables), so
+    skipping update_graph shows up."""
+    w = World(*install(kind, monkeypatch)[1:])
     w.graphs.capture()
     monkeypatch.setattr(w.ops.attention, "update_graph", lambda state, meta: None)
     got, want = w.decode([0, 1, 2, 3, 4])
@@ -121,8 +136,7 @@ def test_without_the_task_update_replays_are_wrong(monkeypatch):
 
 
 def test_run_refuses_what_no_graph_holds(monkeypatch):
-    emu = npu_emulation.install(monkeypatch)
-    w = World(emu, sizes=(1, 2))
+    w = World(*install("cuda", monkeypatch)[1:], sizes=(1, 2))
     w.graphs.capture()
     items = [(w.tables[r], w.lens[r], 1) for r in range(3)]
     with pytest.raises(ValueError, match="no captured decode graph holds 3 rows"):
@@ -131,6 +145,12 @@ def test_run_refuses_what_no_graph_holds(monkeypatch):
     with pytest.raises(ValueError, match="decode-only"):
         w.graphs.run(w.tokens[:3], torch.tensor([0, 1, 2]), mixed)
     assert w.graphs.bucket_for(2) == 2 and w.graphs.bucket_for(3) is None
+
+
+def test_backends_that_cannot_be_captured_are_refused(monkeypatch):
+    flashinfer_emulation.uninstall(monkeypatch)  # the CUDA table's SDPA fallback has host-sized shapes
+    with pytest.raises(ValueError, match="enforce_eager"):
+        World(CudaOpTable(), FakeGraphDevice())
 
 
 def test_graph_sizes():

@@ -11,18 +11,11 @@ import pytest
 import torch
 
 from tests.workers import npu_emulation
+from tests.workers.attention_cases import MIXED_BATCHES as BATCHES
 from tests.workers.attention_cases import clone_cache, make_case, oracle_attention, oracle_write
 from workers.ops.npu import DEFAULT_NPU_BLOCK_SIZE, NpuAttentionBackend, NpuOpTable, check_npu_block_size
 
 pytestmark = pytest.mark.npu_emulated
-
-# (decode row context lengths, prefill chunks as (cached, new))
-BATCHES = [
-    ([5, 1, 40], [(0, 7), (13, 9), (32, 1)]),  # decode + fresh prompt + cached-prefix chunks
-    ([], [(0, 33)]),  # one fresh prompt
-    ([129, 3, 64, 200], []),  # decode only, contexts across block boundaries
-    ([17], [(127, 2), (0, 130), (256, 40)]),  # chunks straddling blocks of 128
-]
 
 
 @pytest.fixture

@@ -136,7 +136,11 @@ class NpuAttentionBackend(AttentionBackend):
 
     # -- decode graphs ------------------------------------------------------------------
 
-    def new_graph_state(self, num_rows: int) -> NpuGraphState:
+    supports_graphs = True
+
+    def new_graph_state(self, num_rows: int, **shape) -> NpuGraphState:
+        """shape (max_blocks, device, heads, dtype) is what other backends need; paged attention reads it all
+        from its arguments."""
         return NpuGraphState(num_rows=num_rows, update_stream=torch.npu.Stream())
 
     def _paged_decode(self, q, key_cache, value_cache, kv_heads, scale, meta, graph: NpuGraphState):
