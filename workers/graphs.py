@@ -180,8 +180,8 @@ class DecodeGraphs:
         return _Bucket(size=n, meta=meta, hidden=hidden, logits=logits, state=state)
 
     def _step(self, b: _Bucket) -> None:
-        """The captured work: embed the static ids, the forward, logits into the resident rows."""
-        self.attention.prepare(b.meta)
+        """The captured work: embed the static ids, the forward (which prepares the attention
+        metadata), logits into the resident rows."""
         self.model.embed(self.input_ids[:b.size], out=b.hidden)
         h = self.model(b.hidden, self.positions[:b.size], self.kv_cache, b.meta)
         self.model.compute_logits(h, out=b.logits)

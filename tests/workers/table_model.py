@@ -61,6 +61,7 @@ class TableModel(torch.nn.Module):
         t = hidden.shape[0]
         h, kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         cos, sin = ops.rotary_cos_sin(positions, self.inv_freq, hidden.dtype)
+        meta = ops.attention.prepare(meta)  # once per step, as Qwen3's forward does
         residual = hidden
         x = ops.rms_norm(hidden, self.layers[0]["ln1"], c.rms_norm_eps)
         for i, p in enumerate(self.layers):

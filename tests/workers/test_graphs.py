@@ -49,7 +49,7 @@ def make_meta(items, num_decode: int) -> AttentionMetadata:
 def eager_logits(model, cache, ids, positions, meta):
     hidden = torch.empty(len(ids), model.config.hidden_size, dtype=model.dtype)
     model.embed(ids, out=hidden)
-    h = model(hidden, positions, cache, model.ops.attention.prepare(meta))
+    h = model(hidden, positions, cache, meta)
     return model.compute_logits(h, torch.empty(len(ids), model.config.vocab_size))
 
 
