@@ -56,7 +56,7 @@ def eager_logits(model, cache, ids, positions, meta):
 class World:
     """Requests with prompts prefilled eagerly; then decode steps run eagerly and through graphs."""
 
-    def __init__(self, ops, device, prompts=(5, 20, 33, 3, 16), steps=8, sizes=(1, 2, 4, 8)):
+    def __init__(self, ops, device, prompts=(5, 20, 33, 3, 16), steps=5, sizes=(1, 2, 4, 8)):
         g = torch.Generator().manual_seed(7)
         self.ops = ops
         self.model = TableModel(self.ops)
@@ -98,7 +98,7 @@ class World:
         return got, want
 
 
-SCHEDULE = [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [2], [4, 0, 1], [1, 3], [0, 1, 2, 3, 4], [3], [0, 2, 4, 1]]
+SCHEDULE = [[0, 1, 2, 3, 4], [2], [4, 0, 1], [1, 3], [0, 2, 4, 1, 3]]  # buckets 8, 1, 4, 2, 8
 
 
 @pytest.mark.parametrize("kind", KINDS)
