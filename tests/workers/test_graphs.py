@@ -56,7 +56,7 @@ def eager_logits(model, cache, ids, positions, meta):
 class World:
     """Requests with prompts prefilled eagerly; then decode steps run eagerly and through graphs."""
 
-    def __init__(self, ops, device, prompts=(5, 20, 33, 3, 16), steps=5, sizes=(1, 2, 4, 8)):
+    def __init__(self, ops, device, prompts=(5, 30, 33, 3, 16), steps=5, sizes=(1, 2, 4, 8)):
         g = torch.Generator().manual_seed(7)
         self.ops = ops
         self.model = TableModel(self.ops)
