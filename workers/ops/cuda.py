@@ -43,15 +43,15 @@ def page_table(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, tor
     """FlashInfer's CSR page table from the step's block tables and host lengths:
     kv_indptr [B + 1] and last_page_len [B] (host int32), page indices [sum pages] (device int32)."""
     bs, cols = meta.block_size, meta.block_tables.shape[1]
-    pages = [(n + bs - 1) // bs for n in meta.seq_lens_host]
-    indptr = [0]
-    for p in pages:
-        indptr.append(indptr[-1] + p)
-    last = [n - (p - 1) * bs for n, p in zip(meta.seq_lens_host, pages)]
-    flat = [i * cols + j for i, p in enumerate(pages) for j in range(p)]
-    flat_t = torch.tensor(flat, dtype=torch.int64).to(meta.block_tables.device, non_blocking=True)
-    indices = meta.block_tables.reshape(-1).index_select(0, flat_t)
-    return torch.tensor(indptr, dtype=torch.int32), torch.tensor(last, dtype=torch.int32), indices
+    lens = torch.tensor(meta.seq_lens_host, dtype=torch.int32)  # host work, vectorized
+    pages = (lens + bs - 1) // bs
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    torch.cumsum(pages, 0, out=indptr[1:])
+    last = lens - (pages - 1) * bs
+    used = torch.arange(cols)[None, :] < pages[:, None]  # [B, cols]: the table entries holding keys
+    flat = used.flatten().nonzero().squeeze(1).to(meta.block_tables.device, non_blocking=True)
+    indices = meta.block_tables.reshape(-1).index_select(0, flat)
+    return indptr, last.to(torch.int32), indices
 
 
 def _query_indptr(meta: AttentionMetadata) -> torch.Tensor:
