@@ -56,7 +56,7 @@ class Engine:
     # ---- lifecycle ----
     def start(self) -> "Engine":
         from workers.loader import bundled_model_path, eos_token_ids, is_random_spec, load_tokenizer, parse_random_spec
-        from workers.outputs import device_outputs_enabled
+        from workers.runner_config import device_outputs_enabled
 
         cfg = self.config
         self.model_path = cfg.model or bundled_model_path()

@@ -15,7 +15,7 @@ Prompt = str | list[int]
 
 class LLMHandle:
     def __init__(self, engine, *, owns_ray: bool = False):
-        self._engine = engine  # cluster.engine.Engine or cluster.remote.RemoteEngine
+        self._engine = engine  # cluster.engine.Engine or cluster.engine_client.EngineClient
         self._owns_ray = owns_ray
         self._closed = False
 

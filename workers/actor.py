@@ -11,7 +11,8 @@ import ray
 
 from scheduler.protocol import StepPlan
 from workers.device import set_cpu_threads, visible_devices_env
-from workers.runner import ModelRunner, RunnerConfig
+from workers.runner import ModelRunner
+from workers.runner_config import RunnerConfig
 
 
 class WorkerActor:
