@@ -36,7 +36,7 @@ from workers.kv_cache import KVCache  # noqa: E402
 from workers.loader import random_qwen3  # noqa: E402
 from workers.ops.base import AttentionMetadata  # noqa: E402
 from workers.ops.cuda import CudaOpTable  # noqa: E402
-from workers.outputs import ResidentOutputs  # noqa: E402
+from workers.resident import ResidentOutputs  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
             vocab_size=512)

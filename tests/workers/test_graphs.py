@@ -16,7 +16,7 @@ from workers.graphs import DecodeGraphs, check_graph_sizes, default_graph_sizes
 from workers.ops.base import AttentionMetadata
 from workers.ops.cuda import CudaOpTable
 from workers.ops.npu import NpuOpTable
-from workers.outputs import ResidentOutputs
+from workers.resident import ResidentOutputs
 
 BS = 16
 KINDS = [pytest.param("npu", marks=pytest.mark.npu_emulated), "cuda"]
