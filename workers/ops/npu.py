@@ -12,8 +12,8 @@
   whose host context lengths are patched before each replay (`update_graph`).
 - RMSNorm `npu_rms_norm` / `npu_add_rms_norm`, RoPE `npu_rotary_mul`, SwiGLU `npu_swiglu`.
 
-torch_npu is imported when a kernel is first called, never at module import: importing it
-without the CANN toolkit breaks `import torch`. Tested on the CPU through an emulation of
+torch_npu is imported when the table is built (get_op_table for an "npu" device), never at
+module import: importing it without the CANN toolkit breaks `import torch`. Tested on the CPU through an emulation of
 these ops (tests/workers/npu_emulation.py); never run on an Ascend device yet.
 """
 
@@ -189,6 +189,7 @@ class NpuOpTable(OpTable):
     name = "npu"
 
     def __init__(self) -> None:
+        torch_npu()  # ImportError here, where the table is chosen, when torch_npu is absent
         self.attention = NpuAttentionBackend()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
