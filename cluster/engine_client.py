@@ -122,6 +122,9 @@ class EngineClient:
     def stats(self) -> dict:
         return _get(self._actor.stats.remote())
 
+    def worker_stats(self) -> list[dict]:
+        return _get(self._actor.worker_stats.remote())
+
     def metrics_text(self) -> bytes:
         return _get(self._actor.metrics_text.remote())
 

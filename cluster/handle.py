@@ -101,6 +101,11 @@ class LLMHandle:
     def stats(self) -> dict:
         return self._engine.stats()
 
+    def worker_stats(self) -> list[dict]:
+        """Per replica, its worker: pid, node and device it runs on, compute dtype, weights
+        fingerprint, KV blocks. Asks every worker (unlike `stats`, which the driver answers)."""
+        return self._engine.worker_stats()
+
     def metrics_text(self) -> bytes:
         """The engine's Prometheus metrics, in the text exposition format."""
         return self._engine.metrics_text()
