@@ -48,7 +48,8 @@ class _Wrapper:
                      paged_kv_last_page_len_buffer if paged_kv_last_page_len_buffer is not None
                      else paged_kv_last_page_len_buf)
         if use_cuda_graph:
-            _need(all(b is not None for b in self.bufs), "use_cuda_graph needs the indptr/indices/last_page_len buffers")
+            _need(all(b is not None for b in self.bufs),
+                  "use_cuda_graph needs the indptr/indices/last_page_len buffers")
         self.plan_args = None
         self.plans = 0
 
