@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_runner import hf_stepper, measure  # noqa: E402
-from cluster.bench_runs import hf_model  # noqa: E402
+from cluster.bench.hf_runs import hf_model  # noqa: E402
 from workers.device import synchronize  # noqa: E402
 from workers.graphs import DecodeGraphs, graph_device_for  # noqa: E402
 from workers.kv_cache import KVCache  # noqa: E402
