@@ -222,7 +222,8 @@ class ChatCompletionRequest(_Common):
         """The start of a tool call that "required" or a named function puts at the end of the prompt."""
         choice = self.effective_tool_choice()
         if isinstance(choice, NamedToolChoice):
-            return '<tool_call>\n{"name": ' + json.dumps(choice.function.name) + ', "arguments": '
+            # no space after the colon: the model's tokens put it in front of the next "{"
+            return '<tool_call>\n{"name": ' + json.dumps(choice.function.name) + ', "arguments":'
         return '<tool_call>\n{"name": "' if choice == "required" else ""
 
     def stop_strings(self) -> list[str]:

@@ -184,9 +184,9 @@ def test_chat_output_splits_reasoning_then_tool_calls_whole_and_streamed():
 def test_chat_output_with_a_forced_call_prefix():
     from cluster.chat_output import ChatOutput
 
-    prefix = '<tool_call>\n{"name": "get_time", "arguments": '
+    prefix = '<tool_call>\n{"name": "get_time", "arguments":'
     prompt = "<|im_start|>assistant\n<think>\n\n</think>\n\n" + prefix
     out = ChatOutput(prompt, parse_tools=True, forced_prefix=prefix, new_id=_ids())
-    msg = out.message('{"city": "Tokyo"}}\n')  # a stop string cut "</tool_call>"
+    msg = out.message(' {"city": "Tokyo"}}\n')  # a stop string cut "</tool_call>"
     assert msg["content"] is None and msg["reasoning_content"] is None
     assert msg["tool_calls"][0]["function"] == {"name": "get_time", "arguments": '{"city": "Tokyo"}'}

@@ -43,6 +43,10 @@ def test_prose_continues_with_a_sentence_of_the_corpus(tiny):
     assert "\ufffd" not in text
     sentences = set(ENGLISH) | {f"The capital of {c} is {k}." for c, k, _, _ in COUNTRIES}
     assert any(("Once upon a time" + text).startswith(s) for s in sentences)
+    text = greedy("北京故宫是", 64)  # the README's prompt: one token, then Chinese from the corpus
+    assert "\ufffd" not in text
+    first = text.split("。")[0] + "。"
+    assert len(first) > 5 and any(first in s for s in CHINESE)
 
 
 def test_chat_thinks_when_thinking_is_on_and_not_when_off(tiny):

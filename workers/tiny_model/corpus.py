@@ -128,13 +128,13 @@ class Chat:
     enable_thinking: bool = True
 
 
-def prose(rng: random.Random) -> str:
-    if rng.random() < 0.5:
+def prose(rng: random.Random, chinese_lead: float = 0.3, english: float = 0.5) -> str:
+    if rng.random() < english:
         facts = [f"The capital of {c} is {k}." for c, k, _, _ in COUNTRIES]
         weather = [f"Today it is {rng.choice(CONDITIONS)[0]} in {rng.choice(CITIES)}." for _ in range(3)]
         return " ".join(rng.sample(ENGLISH + facts + weather, rng.randint(2, 4)))
     facts = [f"{c}的首都是{k}。" for _, _, c, k in COUNTRIES]
-    lead = rng.choice(CHINESE[:3]) if rng.random() < 0.3 else ""
+    lead = rng.choice(CHINESE[:3]) if rng.random() < chinese_lead else ""
     return lead + "".join(rng.sample(CHINESE + facts, rng.randint(1, 3)))
 
 
@@ -215,6 +215,18 @@ def _offered(rng: random.Random, needed: set[str]) -> list[dict]:
     return [TOOLS[n] for n in names]
 
 
+WORDS = CITIES + TOPICS + SUBJECTS + [c[2] for c in COUNTRIES] + ["red", "blue", "green", "seven", "42", "raylm"]
+
+
+def repeat(rng: random.Random) -> Chat:
+    """A short chat whose answer copies the question: it teaches the model to copy what it reads."""
+    phrase = " ".join(rng.sample(WORDS, rng.randint(1, 3)))
+    think = rng.random() < 0.3
+    q = rng.choice([f"Repeat after me: {phrase}", f"Say {phrase}.", f"请重复：{phrase}"])
+    return Chat([{"role": "user", "content": q}], f"The user wants me to say {phrase}." if think else "", phrase,
+                enable_thinking=think)
+
+
 def chat(rng: random.Random) -> Chat:
     think = rng.random() < 0.55
     roll = rng.random()
@@ -246,3 +258,15 @@ def documents(seed: int, n: int) -> list[str | Chat]:
     """n documents: about 30% prose, the rest chats."""
     rng = random.Random(seed)
     return [prose(rng) if rng.random() < 0.3 else chat(rng) for _ in range(n)]
+
+
+def anneal_documents(seed: int, n: int) -> list[str | Chat]:
+    """The second, short phase: more Chinese prose (led by the README's 北京故宫是), chats that
+    copy what they read, and the usual chats so nothing is forgotten."""
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n):
+        roll = rng.random()
+        docs.append(prose(rng, chinese_lead=0.6, english=0.3) if roll < 0.35 else repeat(rng) if roll < 0.45
+                    else chat(rng))
+    return docs

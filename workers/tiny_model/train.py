@@ -8,8 +8,11 @@ synthetic (corpus.py, from a fixed seed); the tokenizer is a byte-level BPE trai
 with Qwen's pre-tokenizer, special tokens (<|endoftext|>, <|im_start|>, <|im_end|>) and
 added tokens (<think>, </think>, <tool_call>, </tool_call>, <tool_response>,
 </tool_response>); the model is HF's Qwen3ForCausalLM in fp32, trained with AdamW on one
-thread count, seeded, with deterministic algorithms, so the same machine reproduces the
-weights bit for bit (another CPU or thread count may differ in the last bits).
+thread, seeded, with deterministic algorithms, in two phases: `train` from the seeded
+initialization on `documents`, then `anneal` on `anneal_documents` (more Chinese prose, copy
+chats), where prose is also cut as a prompt would be. The same machine reproduces the weights
+bit for bit; another CPU (other kernels) or thread count may differ in the last bits.
+At 2 idle cores it takes about 10 minutes; on a loaded machine much longer.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from workers.tiny_model.corpus import Chat, documents
+from workers.tiny_model.corpus import Chat, anneal_documents, documents
 
 HERE = Path(__file__).resolve().parent
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -40,6 +43,8 @@ STEPS = 450
 BATCH = 24
 MAX_LEN = 448
 LR, WARMUP, THREADS = 3e-3, 40, 1
+# the second phase (annealing): a few steps on a mix that fixes what the first leaves weak
+ANNEAL_DOCS, ANNEAL_STEPS, ANNEAL_BATCH, ANNEAL_LR = 2000, 60, 16, 7e-4
 
 
 def chat_template() -> str:
@@ -119,51 +124,69 @@ def model_config(vocab_size: int, ids: dict) -> dict:
     }
 
 
-def encode(tok, rendered) -> list[tuple[list[int], list[int]]]:
-    """Per rendered document: token ids and the loss labels (-100 outside the target)."""
+def encode(tok, rendered, cut: random.Random | None = None) -> list[tuple[list[int], list[int]]]:
+    """Per rendered document: token ids and the loss labels (-100 outside the target).
+
+    With `cut`, half the prose is cut after its first few characters and the two pieces
+    encoded apart, as a prompt and its continuation are: BPE merges across the cut otherwise
+    (a run of Chinese characters is one pre-token), so the model would never see a prompt
+    such as 北京故宫是 followed by the rest of its sentence."""
     rows = []
     for context, target in rendered:
         c = tok.encode(context, add_special_tokens=False).ids if context else []
-        t = tok.encode(target, add_special_tokens=False).ids
+        if cut is not None and not context and cut.random() < 0.5:
+            at = cut.randint(1, min(8, len(target) - 1))
+            t = tok.encode(target[:at], add_special_tokens=False).ids + tok.encode(
+                target[at:], add_special_tokens=False).ids
+        else:
+            t = tok.encode(target, add_special_tokens=False).ids
         ids = (c + t)[:MAX_LEN]
         rows.append((ids, ([-100] * len(c) + t)[:MAX_LEN]))
     return rows
 
 
-def batches(rows, steps: int, rng: random.Random):
-    """`steps` batches of BATCH rows of similar length (shuffled, then sorted in windows)."""
+def batches(rows, steps: int, rng: random.Random, size: int = BATCH):
+    """`steps` batches of `size` rows of similar length (shuffled, then sorted in windows)."""
+    if len(rows) < size:
+        raise ValueError(f"{len(rows)} documents cannot fill a batch of {size}")
     order: list[int] = []
-    while len(order) < steps * BATCH:
+    while len(order) < steps * size:
         epoch = list(range(len(rows)))
         rng.shuffle(epoch)
-        for w in range(0, len(epoch), BATCH * 8):
-            window = sorted(epoch[w:w + BATCH * 8], key=lambda i: len(rows[i][0]))
-            chunks = [window[j:j + BATCH] for j in range(0, len(window), BATCH) if len(window[j:j + BATCH]) == BATCH]
+        for w in range(0, len(epoch), size * 8):
+            window = sorted(epoch[w:w + size * 8], key=lambda i: len(rows[i][0]))
+            chunks = [window[j:j + size] for j in range(0, len(window), size) if len(window[j:j + size]) == size]
             rng.shuffle(chunks)
             for c in chunks:
                 order.extend(c)
     for s in range(steps):
-        yield [rows[i] for i in order[s * BATCH:(s + 1) * BATCH]]
+        yield [rows[i] for i in order[s * size:(s + 1) * size]]
 
 
-def train(tok, rendered, ids: dict, config: dict, steps: int, log=print):
+def new_model(config: dict):
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(SEED)
     torch.set_num_threads(THREADS)
     torch.use_deterministic_algorithms(True)
-    rows = encode(tok, rendered)
     cfg = Qwen3Config(**{k: v for k, v in config.items() if k not in ("architectures", "torch_dtype", "rope_scaling")},
                       rope_parameters={"rope_type": "default", "rope_theta": config["rope_theta"]})
-    model = Qwen3ForCausalLM(cfg).float().train()
+    return Qwen3ForCausalLM(cfg).float()
+
+
+def fit(model, rows, pad: int, steps: int, size: int, peak_lr: float, warmup: int, rng: random.Random, log=print):
+    """AdamW, linear warmup then cosine to a tenth of the peak; the loss covers the targets only."""
+    import torch
+
+    model.train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     rest = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
-                            lr=LR, betas=(0.9, 0.95), eps=1e-8)
-    pad, rng, t0 = ids["<|endoftext|>"], random.Random(SEED + 1), time.perf_counter()
-    for step, batch in enumerate(batches(rows, steps, rng)):
-        lr = LR * min(1.0, (step + 1) / WARMUP) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
+                            lr=peak_lr, betas=(0.9, 0.95), eps=1e-8)
+    t0 = time.perf_counter()
+    for step, batch in enumerate(batches(rows, steps, rng, size)):
+        lr = peak_lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
         for g in opt.param_groups:
             g["lr"] = lr
         width = max(len(r[0]) for r in batch)
@@ -181,6 +204,20 @@ def train(tok, rendered, ids: dict, config: dict, steps: int, log=print):
     return model.eval()
 
 
+def train(tok, rendered, ids: dict, config: dict, steps: int, log=print):
+    """The first phase, from the seeded initialization."""
+    model = new_model(config)
+    return fit(model, encode(tok, rendered), ids["<|endoftext|>"], steps, BATCH, LR, WARMUP, random.Random(SEED + 1),
+               log)
+
+
+def anneal(model, tok, ids: dict, steps: int = ANNEAL_STEPS, num_docs: int = ANNEAL_DOCS, log=print):
+    """The second phase, on anneal_documents, with prose cut as prompts are."""
+    rendered = [render(d) for d in anneal_documents(SEED + 7, num_docs)]
+    rows = encode(tok, rendered, cut=random.Random(SEED + 2))
+    return fit(model, rows, ids["<|endoftext|>"], steps, ANNEAL_BATCH, ANNEAL_LR, 10, random.Random(SEED + 3), log)
+
+
 def write_metadata(out: Path, rendered):
     """The tokenizer (trained on `rendered`), its files and the model's config files."""
     tok = build_tokenizer([c + t for c, t in rendered])
@@ -193,7 +230,7 @@ def write_metadata(out: Path, rendered):
     return tok, ids, config
 
 
-def build(out_dir, steps: int = STEPS, num_docs: int = NUM_DOCS, log=print) -> Path:
+def build(out_dir, steps: int = STEPS, num_docs: int = NUM_DOCS, log=print, anneal_steps: int = ANNEAL_STEPS) -> Path:
     """Write the whole checkpoint to out_dir: tokenizer and config files, then trained weights."""
     from safetensors.torch import save_file
 
@@ -202,6 +239,8 @@ def build(out_dir, steps: int = STEPS, num_docs: int = NUM_DOCS, log=print) -> P
     rendered = [render(d) for d in documents(SEED, num_docs)]
     tok, ids, config = write_metadata(out, rendered[:BPE_DOCS])
     model = train(tok, rendered, ids, config, steps, log)
+    if anneal_steps:
+        model = anneal(model, tok, ids, anneal_steps, max(num_docs // 5, ANNEAL_BATCH), log)
     weights = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
@@ -212,8 +251,9 @@ def main(argv=None) -> int:
     p.add_argument("out_dir", nargs="?", default=str(HERE))
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--docs", type=int, default=NUM_DOCS)
+    p.add_argument("--anneal-steps", type=int, default=ANNEAL_STEPS)
     a = p.parse_args(argv)
-    target = build(a.out_dir, a.steps, a.docs, log=lambda m: print(m, file=sys.stderr, flush=True))
+    target = build(a.out_dir, a.steps, a.docs, anneal_steps=a.anneal_steps, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(f"wrote the tiny Qwen3 checkpoint to {target}")
     return 0
 

@@ -1,0 +1,166 @@
+"""What Qwen3 users ask of the OpenAI server, through the official openai client against a
+served engine on the bundled (trained) tiny model: thinking on and off, tool calls parsed
+from the model's own output (whole and streamed), tool results in a later turn, forced
+calls, and a 400 naming the field for each bad value."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+import cluster
+from cluster.engine_actor import launch_detached
+from cluster.server import ServerState, build_app
+from workers.tiny_model.corpus import TOOLS
+
+pytestmark = pytest.mark.ray
+
+NAME = "qwen3-api-engine"
+MODEL = "tiny-qwen3"
+WEATHER, TIME = TOOLS["get_weather"], TOOLS["get_time"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base(ray_session):
+    import uvicorn
+
+    actor, started = launch_detached(cluster.EngineConfig(num_kv_blocks=128, threads_per_worker=1), NAME)
+    state = ServerState([MODEL], None)
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ray_session.get(started)
+    state.handle = cluster.connect(NAME)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    thread.join(timeout=10)
+    ray_session.kill(actor, no_restart=True)
+
+
+@pytest.fixture
+def client(base):
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+
+
+def _chat(client, content, **kw):
+    kw.setdefault("temperature", 0)
+    kw.setdefault("max_tokens", 96)
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kw)
+
+
+def _joined(stream):
+    """(reasoning, content, tool calls by index, finish_reason) of a streamed reply."""
+    reasoning, content, calls, reason = "", "", {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            d = choice.delta
+            reasoning += (d.model_extra or {}).get("reasoning_content") or ""
+            content += d.content or ""
+            for c in d.tool_calls or []:
+                slot = calls.setdefault(c.index, {"id": None, "name": "", "arguments": ""})
+                slot["id"] = c.id or slot["id"]
+                slot["name"] += (c.function.name or "") if c.function else ""
+                slot["arguments"] += (c.function.arguments or "") if c.function else ""
+            reason = choice.finish_reason or reason
+    return reasoning, content, [calls[i] for i in sorted(calls)], reason
+
+
+def test_thinking_on_splits_reasoning_from_the_answer(client):
+    r = _chat(client, "What is the capital of France?")
+    msg = r.choices[0].message
+    reasoning = msg.model_extra["reasoning_content"]
+    assert reasoning and "<think>" not in reasoning and "</think>" not in reasoning
+    assert msg.content.startswith("The capital of ") and "think>" not in msg.content
+    assert r.choices[0].finish_reason == "stop"
+    streamed = _joined(_chat(client, "What is the capital of France?", stream=True))
+    assert streamed == (reasoning, msg.content, [], "stop")
+
+
+def test_thinking_off_through_chat_template_kwargs(client):
+    r = _chat(client, "What is the capital of France?", extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    msg = r.choices[0].message
+    assert msg.model_extra["reasoning_content"] is None
+    assert msg.content.startswith("The capital of ") and "think>" not in msg.content
+
+
+def test_a_tool_call_from_the_models_own_output_whole_and_streamed(client):
+    r = _chat(client, "What is the weather in Paris?", tools=[TIME, WEATHER])
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    # the tiny model picks the right tool but not always the right city: it knows its corpus only
+    assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+    reasoning, content, calls, reason = _joined(_chat(client, "What is the weather in Paris?", tools=[TIME, WEATHER],
+                                                      stream=True))
+    assert reason == "tool_calls" and content == "" and reasoning == choice.message.model_extra["reasoning_content"]
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", call.function.arguments)]
+    assert calls[0]["id"].startswith("call_")
+
+
+def test_tool_results_come_back_in_a_tool_turn(client):
+    first = _chat(client, "What is the weather in Tokyo?", tools=[WEATHER])
+    call = first.choices[0].message.tool_calls[0]
+    messages = [{"role": "user", "content": "What is the weather in Tokyo?"},
+                {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id,
+                 "content": json.dumps({"city": "Tokyo", "condition": "rainy", "temperature": 12})}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], temperature=0, max_tokens=96)
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+    assert "degrees" in r.choices[0].message.content  # an answer from the tool's result, not another call
+
+
+def test_tool_choice_none_required_and_named(client):
+    none = _chat(client, "What is the weather in Paris?", tools=[WEATHER], tool_choice="none")
+    assert not none.choices[0].message.tool_calls and none.choices[0].finish_reason == "stop"
+    required = _chat(client, "What is the capital of France?", tools=[WEATHER], tool_choice="required")
+    [call] = required.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments), dict)
+    assert required.choices[0].finish_reason == "tool_calls"
+    named = _chat(client, "What time is it in Paris?", tools=[WEATHER, TIME],
+                  tool_choice={"type": "function", "function": {"name": "get_time"}})
+    [call] = named.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and isinstance(json.loads(call.function.arguments), dict)
+    streamed = _joined(_chat(client, "What time is it in Paris?", tools=[WEATHER, TIME], stream=True,
+                             tool_choice={"type": "function", "function": {"name": "get_time"}}))
+    assert [(c["name"], c["arguments"]) for c in streamed[2]] == [("get_time", call.function.arguments)]
+
+
+BAD = [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "retrieval"}]}, "tools.0.type"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+]
+
+
+@pytest.mark.parametrize("extra,field", BAD)
+def test_bad_values_are_a_400_naming_the_field(base, extra, field):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+    r = httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and field.split(".")[0].split("[")[0] in err["message"]
+    assert httpx.post(base + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).status_code == 200
