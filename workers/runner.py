@@ -23,6 +23,7 @@ from workers.kv_cache import KVCache
 from workers.loader import (DTYPES, bundled_model_path, cast_model, is_random_spec, load_config, load_model,
                             load_tokenizer, parse_random_spec, random_model, resolve_dtype, weights_fingerprint)
 from workers.models.qwen3 import Qwen3ForCausalLM
+from workers.ops import NAMES as OPS_NAMES, get_op_table
 from workers.outputs import ResidentOutputs, device_outputs_enabled, encode_logits
 from workers.sampler import Sampler, SamplingBatch, row_logprobs
 from workers.slots import SlotTable
@@ -53,6 +54,7 @@ class RunnerConfig:
     device_outputs: bool | None = None  # None -> RAYLM_DEVICE_OUTPUTS (default on)
     seed: int = 0  # for unseeded sampling
     num_threads: int | None = None  # torch.set_num_threads on the CPU when given
+    ops: str | None = None  # op table: "reference" | "cpu" | "cuda" | "npu"; None -> RAYLM_OPS or the device's own
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -80,6 +82,8 @@ class RunnerConfig:
             raise ValueError(f"device_outputs must be a bool or None, got {self.device_outputs!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.ops is not None and self.ops not in OPS_NAMES:
+            raise ValueError(f"ops must be one of {', '.join(OPS_NAMES)} or None, got {self.ops!r}")
 
 
 @functools.lru_cache(maxsize=8)
@@ -118,6 +122,9 @@ class ModelRunner:
         self.model = model.eval()
         mc = model.config
         self.vocab_size = min(mc.vocab_size, tokenizer_size or mc.vocab_size)  # the real vocab
+        self.ops = get_op_table(self.device, config.ops)
+        with torch.no_grad():
+            self.model.prepare(self.ops, logits_rows=self.vocab_size)  # weights fused / packed once
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
@@ -228,6 +235,7 @@ class ModelRunner:
             "weights_dtype": str(self.weights_dtype).removeprefix("torch."),
             "device_outputs": self.device_outputs,
             "weights_fingerprint": self.weights_fingerprint,
+            "ops": self.ops.describe(),
         }
 
     def close(self) -> None:
