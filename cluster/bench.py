@@ -19,6 +19,11 @@ round of `--repeat`, and the figures printed are the medians over rounds.
   to the longest output. Only the tokens each request asked for count.
 - `--compare bare`: the same requests through ModelRunner driven directly by the real
   Scheduler in this process (no Ray, no detokenizing, no pipelining).
+- `--compare vllm`: the same requests through vLLM's CPU build (`make peers`; its venv by
+  `--peers-venv`) in a subprocess that lives through all rounds (prefix cache reset before
+  each), on the same checkpoint: a random model is first saved as one (bf16 weights,
+  `save_pretrained`, a word-level tokenizer of exactly the vocab) and every contender loads it.
+  vLLM computes in `--vllm-dtype` (auto: float32 on a CPU without AVX512-BF16/AMX, as raylm).
 - `--ab device-outputs`: device outputs (ids back) against host logits (logits back,
   sampled on the driver).
 - `--replicas 1,2`: each replica count with cores // replicas threads per worker (or
@@ -152,9 +157,16 @@ def add_parser(sub) -> None:
                    help="max sequences per step (raylm max_num_seqs, HF's batch); a list sweeps")
     b.add_argument("--max-num-batched-tokens", type=int, default=2048)
     b.add_argument("--block-size", type=int, default=16)
-    b.add_argument("--compare", type=_names(("hf", "bare"), "--compare"), default=[],
+    b.add_argument("--compare", type=_names(("hf", "bare", "vllm"), "--compare"), default=[],
                    help="hf: the same requests through HF transformers; bare: through ModelRunner + Scheduler "
-                        "in this process")
+                        "in this process; vllm: through vLLM's CPU build in a subprocess (make peers)")
+    b.add_argument("--vllm-dtype", default="auto", choices=("auto",) + DTYPE_NAMES,
+                   help="vLLM's compute dtype (auto: float32 unless the CPU has AVX512-BF16 or AMX)")
+    b.add_argument("--peers-venv", default=None,
+                   help="the venv holding vLLM (default RAYLM_PEERS_VENV or .venv-peers)")
+    b.add_argument("--checkpoint-dir", default=None,
+                   help="where --compare vllm saves a random model as a checkpoint "
+                        "(default ~/.cache/raylm/checkpoints/<spec>)")
     b.add_argument("--hf-modes", type=_names(HF_MODES, "--hf-modes"), default=["cb", "generate"],
                    help="HF contenders (default cb,generate; generate_batch runs every request to the longest)")
     b.add_argument("--ab", choices=["device-outputs"], default=None,
@@ -183,6 +195,21 @@ def _model_spec(a) -> str:
     if a.layers is not None:
         raise ValueError("--layers applies to a random model, not to a checkpoint directory")
     return os.path.expanduser(a.model)
+
+
+def _as_checkpoint(model_spec: str, directory: str | None) -> str:
+    """A random spec saved as a checkpoint directory (once; reused), so vLLM loads the same weights."""
+    from cluster.vllm_peer import save_checkpoint
+    from workers.loader import is_random_spec
+
+    if not is_random_spec(model_spec):
+        return model_spec
+    slug = model_spec.split(":", 1)[1].replace("?", "-").replace("&", "-").replace("=", "")
+    directory = directory or os.path.join(os.path.expanduser("~/.cache/raylm/checkpoints"), slug)
+    t = time.perf_counter()
+    save_checkpoint(model_spec, directory)
+    log.info("%s as a checkpoint in %s (%.1fs)", model_spec, directory, time.perf_counter() - t)
+    return directory
 
 
 def _driver_model(model_spec: str, dtype: str):
@@ -223,6 +250,7 @@ class Bench:
         self.runs: list[Run] = []
         self.serve_runs: list[Run] = []
         self.reference_outputs: dict[int, list[list[int]]] = {}  # batch size -> the base raylm run's ids
+        self.peers: dict = {}  # batch size -> a VLLMPeer kept through the rounds
         self.report: dict = {}
 
     def spec(self, *, replicas: int, threads: int, device_outputs: bool = True, batch_size: int) -> EngineSpec:
@@ -253,6 +281,8 @@ class Bench:
             in_process = self.spec(replicas=1, threads=t0, batch_size=bsz)
             if "bare" in a.compare:
                 self.runs.append(Run("bare" + sfx, "bare", in_process))
+            if "vllm" in a.compare:
+                self.runs.append(Run("vllm" + sfx, "vllm", in_process))
             if "hf" in a.compare:
                 for m in a.hf_modes:
                     for dt in self.hf_dtypes():
@@ -271,7 +301,7 @@ class Bench:
 
         a = self.a
         model = None
-        if any(r.kind != "raylm" for r in self.runs):
+        if any(r.kind not in ("raylm", "vllm") for r in self.runs):
             t = time.perf_counter()
             model = _driver_model(self.model_spec, a.dtype)
             log.info("driver copy of the model built in %.1fs", time.perf_counter() - t)
@@ -285,6 +315,8 @@ class Bench:
                 if run.kind == "raylm":
                     tag = f"{run.name.replace(' ', '_')}-r{rnd}"
                     fig, outs = run_raylm(run.spec, self.wl, self.vocab_size, a.profile, tag)
+                elif run.kind == "vllm":
+                    fig, outs = self.run_vllm(run)
                 else:
                     set_cpu_threads(run.spec.threads)
                     if run.kind == "bare":
@@ -304,6 +336,35 @@ class Bench:
                 run.rounds.append(fig)
                 log.info("%s: %.2f output tok/s (%.1fs)", run.name, fig["output_tok_s"], fig["elapsed_s"])
                 self.write_json()
+
+    def run_vllm(self, run: Run) -> tuple[dict, list[list[int]]]:
+        from cluster.bench_runs import _figures
+        from cluster.vllm_peer import VLLMPeer
+        from workers.ops.cpu_features import cpu_class
+
+        a = self.a
+        peer = self.peers.get(run.spec.batch_size)
+        if peer is None:
+            dtype = a.vllm_dtype
+            if dtype == "auto":
+                dtype = "bfloat16" if cpu_class() in ("amx_bf16", "avx512_bf16") else "float32"
+            log_path = os.path.join(os.path.dirname(a.json or "") or ".", "vllm-peer.log")
+            t = time.perf_counter()
+            peer = VLLMPeer(self.model_spec, dtype=dtype, max_num_seqs=run.spec.batch_size,
+                            max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
+                            threads=run.spec.threads, venv=a.peers_venv, log_path=log_path)
+            peer.dtype = dtype
+            log.info("vLLM %s up in %.1fs (log %s)", peer.version, time.perf_counter() - t, log_path)
+            self.peers[run.spec.batch_size] = peer
+        elapsed, outs = peer.run(self.wl.prompts, self.wl.output_lens)
+        fig = _figures(self.wl, elapsed, sum(map(len, outs)), [], [])
+        fig.update(launch_s=peer.launch_s, vllm_version=peer.version, compute_dtype=peer.dtype)
+        return fig, outs
+
+    def close(self) -> None:
+        for peer in self.peers.values():
+            peer.close()
+        self.peers.clear()
 
     def execute_serve(self) -> None:
         a = self.a
@@ -345,6 +406,10 @@ class Bench:
                 v = ray_tok / tok("raylm host-logits" + sfx)
                 out[f"device outputs / host logits{sfx}"] = v
                 targets[f"device outputs >= 1.15x host logits{sfx}"] = (v, 1.15)
+            if tok("vllm" + sfx):
+                v = ray_tok / tok("vllm" + sfx)
+                out[f"raylm / vllm{sfx}"] = v
+                targets[f"raylm >= 1.25x vLLM{sfx}"] = (v, 1.25)
             if tok("bare" + sfx):
                 v = ray_tok / tok("bare" + sfx)
                 out[f"engine / bare step loop{sfx}"] = v
@@ -485,6 +550,8 @@ def run(a: argparse.Namespace) -> int:
         raise ValueError(f"--threads-per-worker must be >= 1, got {a.threads_per_worker}")
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)  # HF's per-run INFO chatter
     model_spec = _model_spec(a)
+    if "vllm" in a.compare:
+        model_spec = _as_checkpoint(model_spec, a.checkpoint_dir)
     vocab = _vocab_size(model_spec)
     wl = make_workload(a.num_requests, a.input_len, a.output_len, vocab, a.seed)
     owns_ray = cluster.ensure_ray(a.address)
@@ -494,11 +561,14 @@ def run(a: argparse.Namespace) -> int:
         cores = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
         bench = Bench(a, model_spec, wl, vocab, cores)
         bench.report["machine"] = _machine()
-        if a.serve:
-            bench.execute_serve()
-        else:
-            bench.plan()
-            bench.execute()
+        try:
+            if a.serve:
+                bench.execute_serve()
+            else:
+                bench.plan()
+                bench.execute()
+        finally:
+            bench.close()
         bench.print_report()
         bench.write_json()
         if a.plot:

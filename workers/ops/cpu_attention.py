@@ -21,7 +21,7 @@ from workers.ops.base import AttentionBackend, AttentionMetadata
 from workers.ops.reference import GatherSDPAAttention
 
 CHUNK_TOKENS = 128  # keys per row per online-softmax step
-DEFAULT = "chunked"
+DEFAULT = "gather"
 
 
 def make_cpu_attention() -> AttentionBackend:
