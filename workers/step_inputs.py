@@ -16,7 +16,7 @@ import torch
 from scheduler.protocol import USE_RESIDENT, WorkerSampling
 from workers.ops.base import AttentionMetadata
 from workers.ops.metadata import SequenceRows, finish, metadata_lists
-from workers.slots import RowWork
+from workers.slot_table import RowWork
 
 
 @dataclass

@@ -9,7 +9,7 @@ import pytest
 from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, WorkerSampling
 from tests import oracle
 from tests.plans import PlanDriver
-from tests.test_ops import TABLES
+from tests.workers.test_ops import TABLES
 from workers.loader import bundled_model_path
 from workers.runner import ModelRunner, RunnerConfig
 

@@ -36,11 +36,10 @@ def peers_python(venv: str | None = None) -> str:
 
 def save_checkpoint(model_spec: str, directory: str) -> str:
     """The random model `model_spec` names, saved as an HF checkpoint with a word-level tokenizer."""
-    import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from cluster.bench_runs import hf_model
+    from cluster.bench.hf_runs import hf_model
     from workers.loader import random_model
 
     if os.path.isfile(os.path.join(directory, "config.json")):
@@ -56,8 +55,17 @@ def save_checkpoint(model_spec: str, directory: str) -> str:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(directory)
     del hf, model
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return directory
+
+
+def peer_dtype(requested: str = "auto") -> str:
+    """auto: float32 on a CPU without AVX512-BF16/AMX (no fast bf16 matmul there; raylm computes
+    fp32 too, so both run the same arithmetic), else bfloat16."""
+    if requested != "auto":
+        return requested
+    from workers.ops.cpu_features import cpu_class
+
+    return "bfloat16" if cpu_class() in ("amx_bf16", "avx512_bf16") else "float32"
 
 
 class VLLMPeer:
@@ -80,6 +88,7 @@ class VLLMPeer:
         ready = self._receive()
         self.launch_s = time.perf_counter() - t0
         self.version = ready.get("version")
+        self.dtype = dtype
 
     def _send(self, message: dict) -> None:
         self.proc.stdin.write(json.dumps(message) + "\n")
@@ -157,6 +166,7 @@ def serve_requests() -> None:
 
 
 if __name__ == "__main__":
+    sys.path.pop(0)  # this file's folder: its sibling modules must not shadow vLLM's imports
     try:
         serve_requests()
     except Exception as e:  # the driver reads the reason instead of a bare exit code
