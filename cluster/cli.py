@@ -51,12 +51,13 @@ def cmd_generate(a: argparse.Namespace) -> int:
             print(a.prompt + out.text)
         elapsed = time.perf_counter() - t1
         stats = llm.stats()
+        ops = (llm.worker_stats() or [{}])[0].get("ops") or {}
     n = len(out.token_ids)
     ttft = out.metrics.ttft if out.metrics and out.metrics.ttft is not None else float("nan")
     print(
         f"[raylm] {n} tokens in {elapsed:.2f}s ({n / elapsed:.1f} tok/s), TTFT {ttft * 1000:.1f} ms, "
         f"finish={out.finish_reason}, bytes pulled per decode step {stats['bytes_pulled_per_decode_step']:.0f}, "
-        f"engine start {t_up:.1f}s",
+        f"engine start {t_up:.1f}s, ops {'/'.join(str(v) for v in ops.values() if v) or '-'}",
         file=sys.stderr,
     )
     return 0

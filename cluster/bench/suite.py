@@ -114,6 +114,9 @@ class Bench:
         hfs = {dt: hf_model(model if dt == a.dtype else cast_model(model, resolve_dtype(dt), copy=True))
                for dt in self.hf_dtypes()} if any(r.kind.startswith("hf-") for r in self.runs) else {}
         mine = weights_fingerprint(model) if model is not None and is_random_spec(self.model_spec) else None
+        for run in self.runs:  # vLLM starts (and compiles) first: a failure shows before any long run
+            if run.kind == "vllm":
+                self.peer(run)
         for rnd in range(a.repeat):
             order = self.runs if rnd % 2 == 0 else self.runs[::-1]
             for run in order:
@@ -146,6 +149,15 @@ class Bench:
     def run_vllm(self, run: Run) -> tuple[dict, list[list[int]]]:
         """vLLM on the same checkpoint and requests; one engine per batch size, kept for all rounds."""
         from cluster.bench.figures import throughput_figures
+
+        peer = self.peer(run)
+        elapsed, outs = peer.run(self.wl.prompts, self.wl.output_lens)
+        fig = throughput_figures(self.wl, elapsed, sum(map(len, outs)), [], [])
+        fig.update(launch_s=peer.launch_s, vllm_version=peer.version, compute_dtype=peer.dtype)
+        return fig, outs
+
+    def peer(self, run: Run):
+        """The vLLM engine of this run's batch size, started on first use and kept for all rounds."""
         from cluster.bench.vllm_peer import VLLMPeer, peer_dtype
 
         a = self.a
@@ -157,10 +169,7 @@ class Bench:
                             threads=run.spec.threads, venv=a.peers_venv, log_path=log_path)
             log.info("vLLM %s (%s) up in %.1fs; its log: %s", peer.version, peer.dtype, peer.launch_s, log_path)
             self.peers[run.spec.batch_size] = peer
-        elapsed, outs = peer.run(self.wl.prompts, self.wl.output_lens)
-        fig = throughput_figures(self.wl, elapsed, sum(map(len, outs)), [], [])
-        fig.update(launch_s=peer.launch_s, vllm_version=peer.version, compute_dtype=peer.dtype)
-        return fig, outs
+        return peer
 
     def close(self) -> None:
         for peer in self.peers.values():
