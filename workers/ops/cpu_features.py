@@ -39,3 +39,12 @@ def has_mkl_packed_linear() -> bool:
                 and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
     except (AttributeError, RuntimeError):
         return False
+
+
+def has_onednn_packed_linear() -> bool:
+    """torch.ops.mkldnn._linear_pointwise over _reorder_linear_weight (oneDNN builds)."""
+    try:
+        return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    except (AttributeError, RuntimeError):
+        return False
