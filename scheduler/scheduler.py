@@ -20,9 +20,9 @@ from bisect import insort
 from collections import deque
 
 from scheduler.blocks import BlockManager
-from scheduler.scheduler_config import SchedulerConfig
 from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, StepResult, WorkerSampling
 from scheduler.request import FinishReason, Request, RequestStatus, RequestUpdate, SampleLogprobs
+from scheduler.scheduler_config import SchedulerConfig
 from scheduler.slot_pool import SlotPool
 from scheduler.step import Step
 from scheduler.waiting import WaitingQueue
