@@ -90,6 +90,18 @@ def synchronize(device: torch.device) -> None:
         _backend(device).synchronize(device)
 
 
+def record_event(device: torch.device):
+    """An event on `device`'s current stream; its `synchronize()` waits for the work queued
+    before it. None on the CPU, where work is done when it returns."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return None
+    backend = _backend(device)
+    event = backend.Event()
+    event.record(backend.current_stream(device))
+    return event
+
+
 def _cpu_memory_info() -> tuple[int, int]:
     try:
         fields = {}
