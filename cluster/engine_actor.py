@@ -58,6 +58,9 @@ class EngineActor:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    def worker_stats(self) -> list[dict]:
+        return self.engine.worker_stats()
+
     def metrics_text(self) -> bytes:
         return self.engine.metrics_text()
 

@@ -91,7 +91,7 @@ class EngineClient:
         self._tokenizer = None
 
     @classmethod
-    def attach(cls, name: str, namespace: str = NAMESPACE) -> "EngineClient":
+    def attach(cls, name: str, namespace: str = NAMESPACE) -> EngineClient:
         try:
             actor = ray.get_actor(name, namespace=namespace)
         except ValueError:
@@ -121,6 +121,9 @@ class EngineClient:
 
     def stats(self) -> dict:
         return _get(self._actor.stats.remote())
+
+    def worker_stats(self) -> list[dict]:
+        return _get(self._actor.worker_stats.remote())
 
     def metrics_text(self) -> bytes:
         return _get(self._actor.metrics_text.remote())

@@ -65,7 +65,7 @@ class SamplingBatch:
     max_logprobs: int = 0  # n_max over the rows that asked
 
     @classmethod
-    def build(cls, params: list[WorkerSampling], positions: list[int], device: torch.device) -> "SamplingBatch":
+    def build(cls, params: list[WorkerSampling], positions: list[int], device: torch.device) -> SamplingBatch:
         """The batch from each row's params, copied to `device`: the driver's path in
         host-logits mode, and the reference the worker's per-slot path (SlotSampling) is
         tested against. positions[i] is the sequence position of the token row i samples."""
@@ -99,7 +99,7 @@ class SamplingLayout:
     logprob_n: list[int]
 
     @classmethod
-    def of(cls, params: list[WorkerSampling], positions: list[int]) -> "SamplingLayout":
+    def of(cls, params: list[WorkerSampling], positions: list[int]) -> SamplingLayout:
         if len(params) != len(positions):
             raise ValueError(f"got {len(params)} sampling params but {len(positions)} positions")
         if positions and min(positions) < 0:  # params were checked once, when their request arrived

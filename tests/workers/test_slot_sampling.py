@@ -48,7 +48,7 @@ def test_per_slot_state_gives_the_batch_built_from_params(device):
     rng = random.Random(0)
     state, staging = SlotSampling(NUM_SLOTS, dev), StepStaging(dev)
     held: dict[int, W] = {}
-    for step in range(40):
+    for _ in range(40):
         for slot in rng.sample(range(NUM_SLOTS), rng.randint(0, 3)):  # requests arriving (some replace others)
             held[slot] = _random_params(rng)
             state.admit(slot, held[slot])
