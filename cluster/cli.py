@@ -22,11 +22,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (CPU)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads-per-worker", type=int, default=None)
+    p.add_argument("--accelerator-resource", default=None,
+                   help="Ray resource each worker takes one of (default: NPU for npu, GPU for cuda, none for cpu); "
+                        "e.g. NPU with --device cpu places CPU workers as they would be placed on NPUs")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     kw = dict(model=a.model, device=a.device, num_replicas=a.replicas, dtype=a.dtype,
-              num_kv_blocks=a.num_kv_blocks, max_model_len=a.max_model_len, threads_per_worker=a.threads_per_worker)
+              num_kv_blocks=a.num_kv_blocks, max_model_len=a.max_model_len, threads_per_worker=a.threads_per_worker,
+              accelerator_resource=a.accelerator_resource)
     return kw
 
 
