@@ -23,5 +23,10 @@ run: venv
 test: venv
 	$(BIN)/python -m pytest -q tests
 
+# `ray up` of deploy/ascend-cluster.yaml on loopback nodes of this machine (root + apt).
+.PHONY: test-deploy
+test-deploy: venv
+	$(BIN)/python -m pytest -q -m deploy -s tests/deploy
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -106,6 +106,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_up(a: argparse.Namespace) -> int:
+    from cluster.launcher import up
+
+    return up(a.config, a.ray_up_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raylm", description="Serve Qwen3 from a Ray cluster")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -133,6 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set RAYLM_API_KEY)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20)
     s.set_defaults(func=cmd_serve)
+
+    u = sub.add_parser("up", help="check a cluster YAML (validation, SSH to the head), then run `ray up` on it")
+    u.add_argument("config", help="cluster YAML, e.g. deploy/ascend-cluster.yaml")
+    u.add_argument("ray_up_args", nargs=argparse.REMAINDER, help="passed on to `ray up` (e.g. -y)")
+    u.set_defaults(func=cmd_up)
 
     from cluster import bench
 
