@@ -15,7 +15,7 @@ Prompt = str | list[int]
 
 class LLMHandle:
     def __init__(self, engine, *, owns_ray: bool = False):
-        self._engine = engine  # cluster.engine.Engine or cluster.remote.RemoteEngine
+        self._engine = engine  # cluster.engine.Engine or cluster.engine_client.EngineClient
         self._owns_ray = owns_ray
         self._closed = False
 
@@ -28,7 +28,8 @@ class LLMHandle:
         return self._engine.config
 
     # ---- blocking ----
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, request_id: str | None = None, use_tqdm: bool | None = None):
         """A string (or one list of token ids) gives one RequestOutput; a list of prompts
         gives a list of RequestOutputs in input order."""
@@ -101,6 +102,11 @@ class LLMHandle:
     def stats(self) -> dict:
         return self._engine.stats()
 
+    def worker_stats(self) -> list[dict]:
+        """Per replica, its worker: pid, node and device it runs on, compute dtype, weights
+        fingerprint, KV blocks. Asks every worker (unlike `stats`, which the driver answers)."""
+        return self._engine.worker_stats()
+
     def metrics_text(self) -> bytes:
         """The engine's Prometheus metrics, in the text exposition format."""
         return self._engine.metrics_text()
@@ -120,7 +126,7 @@ class LLMHandle:
 
             ray.shutdown()
 
-    def __enter__(self) -> "LLMHandle":
+    def __enter__(self) -> LLMHandle:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -40,7 +40,8 @@ def _fill(text: str, values: dict[str, str], used: set[str]) -> str:
     def one(m: re.Match) -> str:
         name = m.group(1)
         if name not in values:
-            raise ValueError(f"placeholder {{{{{name}}}}} has no value: add it under `placeholders` or --set {name}=...")
+            raise ValueError(f"placeholder {{{{{name}}}}} has no value: "
+                             f"add it under `placeholders` or --set {name}=...")
         used.add(name)
         return values[name]
 

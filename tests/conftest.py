@@ -1,11 +1,19 @@
 """Shared fixtures. One local Ray per test session (two CPUs, two faked NPUs), started
-lazily by the first test that asks for it and shut down at the end."""
+lazily by the first test that asks for it and shut down at the end. Every test that uses
+it is marked `ray`, so `-m "not ray"` (make test-fast) runs what needs no Ray."""
 
 from __future__ import annotations
 
 import logging
 
 import pytest
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if "ray_session" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)
+    _deselect_deploy_unless_asked(config, items)
 
 
 @pytest.fixture(scope="session")
@@ -17,7 +25,7 @@ def ray_session():
     ray.shutdown()
 
 
-def pytest_collection_modifyitems(config, items):
+def _deselect_deploy_unless_asked(config, items) -> None:
     """Tests marked `deploy` install and start system services (sshd, a two-node Ray
     cluster): they run only when asked for by marker (`make test-deploy`: -m deploy),
     never as part of a plain `pytest` / `make test`, whatever other -m is given."""

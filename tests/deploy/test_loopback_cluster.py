@@ -173,6 +173,7 @@ def _state(dashboard: str, kind: str) -> list[dict]:
     return r.json()["data"]["result"]["result"]
 
 
+@pytest.mark.timeout(600)  # the 300 s default is about this test's length on a loaded 2-core machine
 def test_ray_up_joins_both_nodes_serves_a_completion_and_ray_down(loopback):
     t0 = time.monotonic()
     timings = {}
@@ -259,7 +260,8 @@ def _poll_empty(fn, timeout: float):
 
 def _break_start_command(config: dict) -> dict:
     broken = copy.deepcopy(config)
-    broken["head_start_ray_commands"] = [c.replace('{"NPU": 8}', '{"NPU": 8') for c in config["head_start_ray_commands"]]
+    broken["head_start_ray_commands"] = [c.replace('{"NPU": 8}', '{"NPU": 8')
+                                         for c in config["head_start_ray_commands"]]
     assert broken != config
     return broken
 
