@@ -38,8 +38,8 @@ def _oracle(case):
     return oracle_attention(case.q, cache, 0, case.meta), cache
 
 
-CASES = [(b, bs, 4, 2) for b in range(len(BATCHES)) for bs in (16, 64, 128)]  # GQA groups of 2
-CASES += [(0, 16, 8, 1), (3, 128, 8, 1), (0, 128, 2, 2), (2, 16, 2, 2)]  # one KV head; no grouping
+CASES = [(b, bs, 4, 2) for b in range(len(BATCHES)) for bs in (16, 128)]  # GQA groups of 2
+CASES += [(0, 64, 8, 1), (3, 128, 2, 2)]  # one KV head; no grouping
 
 
 @pytest.mark.parametrize("batch,block_size,heads,kv_heads", CASES)
