@@ -8,6 +8,7 @@ import sys
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 from cluster.outputs import RequestOutput, StreamDelta
+from scheduler.checks import is_int
 from scheduler.request import SamplingParams
 
 Prompt = str | list[int]
@@ -28,7 +29,8 @@ class LLMHandle:
         return self._engine.config
 
     # ---- blocking ----
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, request_id: str | None = None, use_tqdm: bool | None = None):
         """A string (or one list of token ids) gives one RequestOutput; a list of prompts
         gives a list of RequestOutputs in input order."""
@@ -125,7 +127,7 @@ class LLMHandle:
 
             ray.shutdown()
 
-    def __enter__(self) -> "LLMHandle":
+    def __enter__(self) -> LLMHandle:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -135,8 +137,7 @@ class LLMHandle:
 def _is_single(prompts) -> bool:
     if isinstance(prompts, str):
         return True
-    return isinstance(prompts, (list, tuple)) and bool(prompts) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompts)
+    return isinstance(prompts, (list, tuple)) and bool(prompts) and all(is_int(t) for t in prompts)
 
 
 def _one(params):

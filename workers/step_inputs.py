@@ -3,8 +3,9 @@
 The flat batch puts decode rows first (so attention answers them with one call), then
 every prefill chunk's tokens, each chunk in plan order. Sampling rows stay in plan order.
 All integer inputs, the AttentionMetadata's among them (built here once per step, shared by
-every layer), are packed into one int64 host tensor, copied once, and split into views on the
-device; the metadata's int32 parts sit together at the end and are cast with one op.
+every layer), and the caller's sampling parts (workers/slot_sampling.py), are packed into one
+int64 host buffer reused every step (workers/staging.py), copied once, and split into views
+on the device; the metadata's int32 parts sit side by side and are cast with one op.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from scheduler.protocol import USE_RESIDENT, WorkerSampling
+from scheduler.protocol import USE_RESIDENT
 from workers.ops.base import AttentionMetadata
 from workers.ops.metadata import SequenceRows, finish, metadata_lists
 from workers.slot_table import RowWork
+from workers.staging import StepStaging
 
 
 @dataclass
@@ -28,13 +30,14 @@ class StepInputs:
     logits_indices: torch.Tensor | None  # [B] rows of the flat batch that sample; None: all T, in order
     sample_slots: torch.Tensor  # [B] int64 slots of the sampling rows, in plan order
     slots: list[int]  # [B] the same, on the host
-    sample_positions: list[int]  # [B] position of each sampled token
-    sampling: list[WorkerSampling]  # [B]
     work: list[RowWork]  # [B] the sampling rows
+    sampling_ints: list[torch.Tensor]  # device views of the caller's `sampling_ints` parts (int64)
+    sampling_floats: list[torch.Tensor]  # device views of its `sampling_floats` parts (float32)
 
 
 def build_step_inputs(rows: list[RowWork], *, block_size: int, last_tokens: torch.Tensor,
-                      device: torch.device) -> StepInputs:
+                      staging: StepStaging, sampling_ints: list[list[int]] = (),
+                      sampling_floats: list[list[float]] = ()) -> StepInputs:
     decode = [w for w in rows if w.is_decode]
     prefill = [w for w in rows if not w.is_decode]
     ids: list[int] = []
@@ -70,24 +73,19 @@ def build_step_inputs(rows: list[RowWork], *, block_size: int, last_tokens: torc
     identity = len(logits_idx) == len(ids) and all(i == j for i, j in enumerate(logits_idx))
     sample_slots = [w.slot for w in sampling_rows]
 
-    int32_parts = meta.int32_parts()  # query_start_loc, seq_lens, block_tables: adjacent, one cast
+    int32_parts = meta.int32_parts()  # query_start_loc, seq_lens, block_tables
     parts = [ids, positions, meta.slot_mapping, resident_rows, resident_slots,
              [] if identity else logits_idx, sample_slots, *int32_parts]
-    host = torch.tensor([x for part in parts for x in part], dtype=torch.int64)
-    if device.type != "cpu":
-        host = host.pin_memory()
-    packed = host.to(device, non_blocking=True)
-    n_int32 = sum(len(p) for p in int32_parts)
-    (t_ids, t_pos, t_slots, t_res_rows, t_res_slots, t_logits_idx, t_sample_slots,
-     t_int64_tail) = torch.split(packed, [len(p) for p in parts[:7]] + [n_int32])
+    ints, floats = staging.upload([*parts, *sampling_ints], sampling_floats)  # the step's one copy
+    (t_ids, t_pos, t_slots, t_res_rows, t_res_slots, t_logits_idx, t_sample_slots) = ints[:7]
+    int32_packed = torch.cat(ints[7:len(parts)]).to(torch.int32)  # [B + 1 + B + B * max_blocks]
 
     if resident_rows:
         t_ids.index_copy_(0, t_res_rows, last_tokens.index_select(0, t_res_slots))
     attn = finish(meta, num_decode=len(decode), block_size=block_size, slot_mapping=t_slots,
-                  int32_packed=t_int64_tail.to(torch.int32))
+                  int32_packed=int32_packed)
     return StepInputs(
         num_tokens=len(ids), input_ids=t_ids, positions=t_pos, attn=attn,
         logits_indices=None if identity else t_logits_idx, sample_slots=t_sample_slots,
-        slots=sample_slots, sample_positions=[w.start + w.num_tokens for w in sampling_rows],
-        sampling=[w.state.sampling for w in sampling_rows], work=sampling_rows,
+        slots=sample_slots, work=sampling_rows, sampling_ints=ints[len(parts):], sampling_floats=floats,
     )
