@@ -76,7 +76,9 @@ class VLLMPeer:
                  max_model_len: int | None = None, log_path: str | None = None) -> None:
         env = dict(os.environ)
         env.update(VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
-                   VLLM_CPU_NUM_OF_RESERVED_CPU="0", OMP_NUM_THREADS=str(threads))
+                   VLLM_CPU_NUM_OF_RESERVED_CPU="0", OMP_NUM_THREADS=str(threads),
+                   # a loaded machine can take more than vLLM's default 10 minutes to compile and warm up
+                   VLLM_ENGINE_READY_TIMEOUT_S="3600", VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="3600")
         env.pop("PYTHONPATH", None)  # nothing of raylm's venv leaks into vLLM's
         self.log = open(log_path or os.devnull, "w")
         self.proc = subprocess.Popen([peers_python(venv), os.path.abspath(__file__)], stdin=subprocess.PIPE,
@@ -127,9 +129,12 @@ class VLLMPeer:
 
 # ---- script side (the peers venv; imports nothing of raylm) --------------------------------
 
+_PROTOCOL = None  # the pipe to the driver; vLLM's own logging (to stdout) goes to stderr instead
+
+
 def _reply(message: dict) -> None:
-    sys.stdout.write(json.dumps(message) + "\n")
-    sys.stdout.flush()
+    _PROTOCOL.write(json.dumps(message) + "\n")
+    _PROTOCOL.flush()
 
 
 def serve_requests() -> None:
@@ -167,6 +172,8 @@ def serve_requests() -> None:
 
 if __name__ == "__main__":
     sys.path.pop(0)  # this file's folder: its sibling modules must not shadow vLLM's imports
+    _PROTOCOL = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # fd 1 (and every process vLLM spawns) now writes to the log
     try:
         serve_requests()
     except Exception as e:  # the driver reads the reason instead of a bare exit code
