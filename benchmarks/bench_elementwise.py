@@ -58,8 +58,10 @@ def main() -> None:
             for name in ops:
                 te, tc = [], []
                 for _ in range(a.reps + 1):
-                    s = time.perf_counter(); ops[name](*args); te.append(time.perf_counter() - s)
-                    s = time.perf_counter(); compiled[name](*args); tc.append(time.perf_counter() - s)
+                    for fn, times in ((ops[name], te), (compiled[name], tc)):
+                        s = time.perf_counter()
+                        fn(*args)
+                        times.append(time.perf_counter() - s)
                 e, c = statistics.median(te[1:]) * 1e6, statistics.median(tc[1:]) * 1e6
                 print(f"{t:>5} tokens {name:>14}: eager {e:9.0f} us  compiled {c:9.0f} us  eager/compiled {e / c:5.2f}")
 

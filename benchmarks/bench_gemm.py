@@ -79,9 +79,9 @@ def packed(a) -> None:
             x = torch.randn(m, in_features, generator=g)
             ta, tp = [], []
             for _ in range(a.reps + 1):
-                ta.append(timed(lambda: F.linear(x, w), 1))
+                ta.append(timed(lambda x=x, w=w: F.linear(x, w), 1))
                 if pw is not None:
-                    tp.append(timed(lambda: torch.ops.mkl._mkl_linear(x, pw, w, None, 64), 1))
+                    tp.append(timed(lambda x=x, w=w, pw=pw: torch.ops.mkl._mkl_linear(x, pw, w, None, 64), 1))
             flop = 2 * m * in_features * out_features
             ga = flop / statistics.median(ta[1:]) / 1e9
             gp = flop / statistics.median(tp[1:]) / 1e9 if tp else float("nan")

@@ -41,7 +41,8 @@ def main() -> None:
     new = [NewRequest(i, torch.randint(0, 150000, (a.prompt_len,), generator=g).tolist(), 0,
                       list(range(i * blocks_per, (i + 1) * blocks_per)), WorkerSampling()) for i in range(a.rows)]
     t = time.perf_counter()
-    runner.execute(StepPlan(step_id=0, new_requests=new, rows=[ScheduledRow(i, a.prompt_len) for i in range(a.rows)]))
+    prefill = [ScheduledRow(i, a.prompt_len) for i in range(a.rows)]
+    runner.execute(StepPlan(step_id=0, new_requests=new, rows=prefill))
     print(f"# {a.layers} layers, {a.rows} rows x {a.prompt_len} prompt, {a.threads} threads, "
           f"ops {runner.stats().get('ops', 'n/a')}; prefill {time.perf_counter() - t:.1f}s")
     rows = [ScheduledRow(i, 1, [], USE_RESIDENT) for i in range(a.rows)]
@@ -55,7 +56,8 @@ def main() -> None:
     total = sum(e.self_cpu_time_total for e in events)
     print(f"decode step: {wall * 1e3:.0f} ms wall; summed op self time {total / 1e3 / a.steps:.0f} ms/step")
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[: a.top]:
-        print(f"  {e.key:<48} {e.self_cpu_time_total / 1e3 / a.steps:9.1f} ms/step {100 * e.self_cpu_time_total / total:5.1f}%")
+        ms, share = e.self_cpu_time_total / 1e3 / a.steps, 100 * e.self_cpu_time_total / total
+        print(f"  {e.key:<48} {ms:9.1f} ms/step {share:5.1f}%")
 
 
 if __name__ == "__main__":

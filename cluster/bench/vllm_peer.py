@@ -120,7 +120,7 @@ class VLLMPeer:
                 self.proc.kill()
         self.log.close()
 
-    def __enter__(self) -> "VLLMPeer":
+    def __enter__(self) -> VLLMPeer:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -67,7 +67,8 @@ def fake_venv(tmp_path):
     pkg = tmp_path / "site" / "vllm"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text(FAKE_VLLM + "\nfrom vllm import inputs\n")
-    (pkg / "inputs.py").write_text("def TokensPrompt(prompt_token_ids):\n    return {'prompt_token_ids': prompt_token_ids}\n")
+    (pkg / "inputs.py").write_text(
+        "def TokensPrompt(prompt_token_ids):\n    return {'prompt_token_ids': prompt_token_ids}\n")
     bindir = tmp_path / "venv" / "bin"
     bindir.mkdir(parents=True)
     python = bindir / "python"

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from workers.kv_cache import KVCache
-from workers.ops.metadata import SequenceRows, build_metadata
 from workers.loader import bundled_model_path, load_model
 from workers.models.qwen3 import Qwen3Config
+from workers.ops.metadata import SequenceRows, build_metadata
 
 BS = 4
 

@@ -231,7 +231,7 @@ class Qwen3ForCausalLM(nn.Module):
         lm = ops.prepare_linear(weight if logits_rows is None else weight[:logits_rows], None)
         self.prepared = PreparedWeights(ops, layers, lm)
 
-    def _prepared(self) -> "PreparedWeights":
+    def _prepared(self) -> PreparedWeights:
         if self.prepared.ops is None:
             from workers.ops import get_op_table
 
@@ -273,5 +273,5 @@ class PreparedWeights:
     def __init__(self, ops: OpTable | None = None, layers: list | None = None, lm=None) -> None:
         self.ops, self.layers, self.lm = ops, layers or [], lm
 
-    def __deepcopy__(self, memo) -> "PreparedWeights":
+    def __deepcopy__(self, memo) -> PreparedWeights:
         return PreparedWeights()

@@ -58,7 +58,6 @@ class ChunkedPagedAttention(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, layer, meta):
         t, num_heads, head_dim = q.shape
-        num_kv_heads = k.shape[1]
         scale = head_dim ** -0.5
         out = torch.empty(t, num_heads * head_dim, dtype=q.dtype, device=q.device)
         key, value = kv_cache.key(layer), kv_cache.value(layer)  # [N, bs, KVH, D]
@@ -98,7 +97,7 @@ def _online_softmax(q, key, value, tables, lens, positions, scale):
     qg = (q * scale).view(r, n, num_kv_heads, g, head_dim).permute(0, 2, 3, 1, 4).reshape(r, num_kv_heads,
                                                                                           g * n, head_dim)
     m = torch.full((r, num_kv_heads, g * n, 1), float("-inf"), dtype=q.dtype, device=q.device)
-    l = torch.zeros_like(m)
+    denom = torch.zeros_like(m)
     acc = torch.zeros(r, num_kv_heads, g * n, head_dim, dtype=q.dtype, device=q.device)
     nb = tables.shape[1]
     step = max(1, CHUNK_TOKENS // bs)
@@ -114,11 +113,11 @@ def _online_softmax(q, key, value, tables, lens, positions, scale):
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         p = (s - m_new).exp_()
         corr = (m - m_new).exp_()
-        l = l * corr + p.sum(-1, keepdim=True)
+        denom = denom * corr + p.sum(-1, keepdim=True)
         acc = acc * corr + torch.matmul(p, vc.transpose(1, 2))  # [R, KVH, g*n, D]
         m = m_new
-    o = (acc / l).view(r, num_kv_heads, g, n, head_dim).permute(0, 3, 1, 2, 4).reshape(r, n, num_heads, head_dim)
-    return o, m, l
+    o = (acc / denom).view(r, num_kv_heads, g, n, head_dim).permute(0, 3, 1, 2, 4).reshape(r, n, num_heads, head_dim)
+    return o, m, denom
 
 
 def _causal_scores(q, k, v, scale):
@@ -132,10 +131,10 @@ def _causal_scores(q, k, v, scale):
     s.masked_fill_(torch.arange(n, device=q.device)[None, :] > qpos[:, None], float("-inf"))
     m = s.amax(-1, keepdim=True)
     p = (s - m).exp_()
-    l = p.sum(-1, keepdim=True)
+    denom = p.sum(-1, keepdim=True)
     acc = torch.matmul(p, v.permute(1, 0, 2).unsqueeze(0))  # [1, KVH, g*n, D]
-    o = (acc / l).view(1, num_kv_heads, g, n, head_dim).permute(0, 3, 1, 2, 4).reshape(1, n, num_heads, head_dim)
-    return o, m, l
+    o = (acc / denom).view(1, num_kv_heads, g, n, head_dim).permute(0, 3, 1, 2, 4).reshape(1, n, num_heads, head_dim)
+    return o, m, denom
 
 
 def _heads_last(o, w, like=None):
