@@ -139,7 +139,10 @@ class Engine:
                              "give prompts as lists of token ids")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, loop=None) -> RequestStream:
+                    request_id: str | None = None, loop=None, sink=None) -> RequestStream:
+        """Accept a request; its deltas go to the returned RequestStream (read with `for`,
+        or `async for` on `loop`), or to `sink.put(delta)` when a sink is given (a
+        frontend's outbox, shared by many requests)."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -164,7 +167,7 @@ class Engine:
                 f"too many waiting requests ({self.config.max_waiting_requests} on replica {replica.index}); retry later")
         if params.stop:
             self._need_tokenizer("stop strings")
-        stream = RequestStream(request_id, loop)
+        stream = sink if sink is not None else RequestStream(request_id, loop)
         detok = _NoText() if self.tokenizer is None else IncrementalDetokenizer(
             self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop)
         st = _RequestState(request, text, detok, stream, replica, [] if params.logprobs is not None else None)
@@ -263,6 +266,24 @@ class Engine:
         st.stream.put(StreamDelta(req.request_id, text, list(new_ids), logprobs, reason_value, output))
 
     # ---- stats ----
+    def health(self) -> dict:
+        """Whether requests can be served now: "ok" (every replica up), "degraded" (some
+        down) or "unavailable" (none up; `reason` says why, `retry_after_s` when to retry)."""
+        reps = [r.health() for r in self.replicas]
+        up = [h for h in reps if h["state"] == "up"]
+        if not reps:
+            return {"status": "unavailable", "reason": "the engine is not running", "replicas": [],
+                    "retry_after_s": None}
+        if not up:
+            waits = [h["retry_in_s"] for h in reps if h.get("retry_in_s") is not None]
+            errors = "; ".join(f"replica {h['replica']}: {h['state']}"
+                               + (f" ({h['last_error']})" if h.get("last_error") else "") for h in reps)
+            return {"status": "unavailable", "reason": f"no replica can serve: {errors}", "replicas": reps,
+                    "retry_after_s": min(waits) if waits else None}
+        status = "ok" if len(up) == len(reps) else "degraded"
+        reason = None if status == "ok" else f"{len(reps) - len(up)} of {len(reps)} replicas down"
+        return {"status": status, "reason": reason, "replicas": reps, "retry_after_s": None}
+
     def metrics_text(self) -> bytes:
         """Prometheus exposition text."""
         return self.metrics.render()

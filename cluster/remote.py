@@ -2,9 +2,10 @@
 
 EngineActor wraps an Engine inside an async actor (`raylm serve` starts one);
 RemoteEngine gives LLMHandle the same methods a local Engine has, so a connected handle
-generates, streams, chats and reports stats like a launched one. Requests go in with
-`submit` (bad input raises right there) and their deltas come back through `follow`, a
-Ray streaming generator.
+generates, streams, chats and reports stats like a launched one. Requests and their
+outputs travel over the frontend channel (cluster/channel.py): each RemoteEngine is one
+Frontend, whose submissions, aborts and deltas cross in batches, never one Ray call per
+request or per token.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import ray
 from ray.exceptions import RayTaskError
 
 from cluster.config import EngineConfig
-from cluster.outputs import RequestOutput
+from cluster.frontend import Frontend
+from cluster.outbox import Outboxes
 
 NAMESPACE = "raylm"
 
@@ -26,7 +28,7 @@ class EngineActor:
         from cluster.engine import Engine
 
         self.engine = Engine(EngineConfig(**config))
-        self._streams: dict = {}
+        self._outboxes = Outboxes(self.engine)
         self._ready = False
 
     async def start(self) -> dict:
@@ -42,29 +44,32 @@ class EngineActor:
         return {"config": e.config.to_dict(), "model_path": e.model_path, "max_model_len": e.max_model_len,
                 "vocab_size": e.vocab_size, "ready": self._ready}
 
-    async def submit(self, prompt, params, request_id: str) -> str:
+    # ---- the frontend channel ----
+    async def open_frontend(self, frontend_id: str, lease_s: float) -> None:
+        self._outboxes.open(frontend_id, lease_s)
+
+    async def push(self, frontend_id: str, ops: bytes) -> bytes:
         if not self._ready:
             raise RuntimeError("the engine is still loading")
-        self._streams[request_id] = self.engine.add_request(prompt, params, request_id, asyncio.get_running_loop())
-        return request_id
+        return self._outboxes.push(frontend_id, ops)
 
-    async def follow(self, request_id: str):
-        stream = self._streams.get(request_id)
-        if stream is None:
-            raise ValueError(f"no request {request_id!r} to follow")
-        try:
-            async for delta in stream:
-                yield delta
-        finally:
-            self._streams.pop(request_id, None)
-            if stream.output is None:  # the follower went away: stop generating for nobody
-                self.engine.abort(request_id)
+    async def pull(self, frontend_id: str, wait_s: float) -> bytes:
+        return await self._outboxes.pull(frontend_id, wait_s)
+
+    async def close_frontend(self, frontend_id: str) -> int:
+        return self._outboxes.close(frontend_id)
 
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)
 
     def stats(self) -> dict:
-        return self.engine.stats()
+        return {**self.engine.stats(), **self._outboxes.stats()}
+
+    def health(self) -> dict:
+        if not self._ready:
+            return {"status": "unavailable", "reason": "the engine is still loading", "replicas": [],
+                    "retry_after_s": 5}
+        return self.engine.health()
 
     def metrics_text(self) -> bytes:
         return self.engine.metrics_text()
@@ -93,53 +98,6 @@ def _get(ref):
         raise _cause(e) from None
 
 
-class RemoteStream:
-    """A request's deltas from an EngineActor; iterate with `for` or `async for`."""
-
-    def __init__(self, actor, request_id: str, prompt, params, submit_now: bool):
-        self._actor = actor
-        self.request_id = request_id
-        self._args = (prompt, params, request_id)
-        self._submitted = False
-        self.output: RequestOutput | None = None
-        if submit_now:
-            _get(actor.submit.remote(*self._args))
-            self._submitted = True
-
-    def __iter__(self):
-        if not self._submitted:
-            _get(self._actor.submit.remote(*self._args))
-            self._submitted = True
-        for ref in self._actor.follow.remote(self.request_id):
-            delta = _get(ref)
-            if delta.finished:
-                self.output = delta.output
-            yield delta
-
-    async def __aiter__(self):
-        try:
-            if not self._submitted:
-                await self._actor.submit.remote(*self._args)
-                self._submitted = True
-            async for ref in self._actor.follow.remote(self.request_id):
-                delta = await ref
-                if delta.finished:
-                    self.output = delta.output
-                yield delta
-        except RayTaskError as e:
-            raise _cause(e) from None
-
-    def result(self) -> RequestOutput:
-        for _ in self:
-            pass
-        return self.output
-
-    async def aresult(self) -> RequestOutput:
-        async for _ in self:
-            pass
-        return self.output
-
-
 class RemoteEngine:
     def __init__(self, actor, info: dict):
         self._actor = actor
@@ -149,6 +107,7 @@ class RemoteEngine:
         self.max_model_len = info["max_model_len"]
         self.vocab_size = info["vocab_size"]
         self._tokenizer = None
+        self.frontend = Frontend(actor)
 
     @classmethod
     def attach(cls, name: str, namespace: str = NAMESPACE) -> "RemoteEngine":
@@ -169,15 +128,17 @@ class RemoteEngine:
             self._tokenizer = load_tokenizer(self.model_path)
         return self._tokenizer
 
-    def add_request(self, prompt, params=None, request_id: str | None = None, loop=None) -> RemoteStream:
+    def add_request(self, prompt, params=None, request_id: str | None = None, loop=None):
         rid = request_id if request_id is not None else uuid.uuid4().hex
-        return RemoteStream(self._actor, rid, prompt, params, submit_now=loop is None)
+        if not isinstance(rid, str) or not rid:
+            raise ValueError(f"request_id must be a non-empty string, got {rid!r}")
+        return self.frontend.submit(prompt, params, rid, loop)
 
     def apply_chat_template(self, messages) -> str:
         return _get(self._actor.apply_chat_template.remote(messages))
 
     def abort(self, request_id: str) -> bool:
-        return _get(self._actor.abort.remote(request_id))
+        return self.frontend.abort(request_id)
 
     def stats(self) -> dict:
         return _get(self._actor.stats.remote())
@@ -185,10 +146,16 @@ class RemoteEngine:
     def metrics_text(self) -> bytes:
         return _get(self._actor.metrics_text.remote())
 
+    def health(self) -> dict:
+        return _get(self._actor.health.remote())
+
     def shutdown(self) -> None:
-        """Detach; the engine keeps serving others (stop it with `stop_engine`)."""
+        """Detach (aborting what this handle left running); the engine keeps serving
+        others (stop it with `stop_engine`)."""
+        self.frontend.close()
 
     def stop_engine(self) -> None:
+        self.frontend.close()
         try:
             _get(self._actor.shutdown.remote())
         except ray.exceptions.RayActorError:

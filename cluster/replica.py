@@ -212,6 +212,10 @@ class Replica:
         except Exception as e:
             return {"error": str(e)}
 
+    def health(self) -> dict:
+        return {"replica": self.index, "state": "down" if self.dead else "up", "restarts": self.stats.restarts,
+                "last_error": None, "retry_in_s": None}
+
     def snapshot(self) -> dict:
         with self.lock:
             sched = self.scheduler.stats()
