@@ -57,9 +57,12 @@ def launch(model: str | None = None, device: str = "cpu", num_replicas: int = 1,
     return LLMHandle(engine, owns_ray=owns_ray)
 
 
-def connect(name: str = "raylm", *, address: str | None = None, namespace: str = "raylm") -> LLMHandle:
-    """A handle to an engine started by `raylm serve` (a named, detached actor)."""
+def connect(name: str = "raylm", *, address: str | None = None, namespace: str = "raylm",
+            lease_s: float = 30.0) -> LLMHandle:
+    """A handle to an engine started by `raylm serve` (a named, detached actor).
+    If this process stops answering for `lease_s` seconds (it died, its network went
+    away), the engine aborts the requests it left running."""
     from cluster.remote import RemoteEngine
 
     owns_ray = ensure_ray(address)
-    return LLMHandle(RemoteEngine.attach(name, namespace), owns_ray=owns_ray)
+    return LLMHandle(RemoteEngine.attach(name, namespace, lease_s=lease_s), owns_ray=owns_ray)

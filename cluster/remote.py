@@ -99,7 +99,7 @@ def _get(ref):
 
 
 class RemoteEngine:
-    def __init__(self, actor, info: dict):
+    def __init__(self, actor, info: dict, lease_s: float = 30.0):
         self._actor = actor
         self.info = info
         self.config = EngineConfig(**info["config"])
@@ -107,16 +107,16 @@ class RemoteEngine:
         self.max_model_len = info["max_model_len"]
         self.vocab_size = info["vocab_size"]
         self._tokenizer = None
-        self.frontend = Frontend(actor)
+        self.frontend = Frontend(actor, lease_s=lease_s)
 
     @classmethod
-    def attach(cls, name: str, namespace: str = NAMESPACE) -> "RemoteEngine":
+    def attach(cls, name: str, namespace: str = NAMESPACE, lease_s: float = 30.0) -> "RemoteEngine":
         try:
             actor = ray.get_actor(name, namespace=namespace)
         except ValueError:
             raise ValueError(f"no raylm engine named {name!r} in namespace {namespace!r}; "
                              f"start one with `raylm serve --name {name}`") from None
-        return cls(actor, _get(actor.info.remote()))
+        return cls(actor, _get(actor.info.remote()), lease_s)
 
     @property
     def tokenizer(self):

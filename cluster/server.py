@@ -68,11 +68,10 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        too_big = ApiError(413, f"request body is larger than the limit of {self.limit} bytes",
-                           param="body", code="body_too_large").response()
         for k, v in scope.get("headers", []):
             if k == b"content-length" and v.isdigit() and int(v) > self.limit:
-                return await too_big(scope, receive, send)
+                return await ApiError(413, f"request body is larger than the limit of {self.limit} bytes",
+                                      param="body", code="body_too_large").response()(scope, receive, send)
         seen = 0
 
         async def counted():
