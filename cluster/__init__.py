@@ -62,7 +62,7 @@ def connect(name: str = "raylm", *, address: str | None = None, namespace: str =
     """A handle to an engine started by `raylm serve` (a named, detached actor).
     If this process stops answering for `lease_s` seconds (it died, its network went
     away), the engine aborts the requests it left running."""
-    from cluster.remote import RemoteEngine
+    from cluster.engine_client import EngineClient
 
     owns_ray = ensure_ray(address)
-    return LLMHandle(RemoteEngine.attach(name, namespace, lease_s=lease_s), owns_ray=owns_ray)
+    return LLMHandle(EngineClient.attach(name, namespace, lease_s=lease_s), owns_ray=owns_ray)

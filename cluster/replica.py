@@ -24,7 +24,7 @@ from cluster.placement import release, scheduling_strategy
 from scheduler.protocol import StepResult, pack_int32, sampled_on_device
 from scheduler.request import Request
 from scheduler.scheduler import RequestUpdate, Scheduler, SchedulerConfig
-from workers.actor import RemoteWorker
+from workers.actor import remote_worker
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class Replica:
         self._thread.start()
 
     def _start_worker(self) -> dict:
-        self.worker = RemoteWorker.options(
+        self.worker = remote_worker().options(
             num_cpus=self._resources.num_cpus,
             resources={self._resources.accelerator: 1} if self._resources.accelerator else None,
             scheduling_strategy=scheduling_strategy(self._pg),

@@ -1,0 +1,95 @@
+"""EngineActor: an Engine inside a named, detached, async Ray actor (`raylm serve` starts one).
+
+Its client is EngineClient (cluster/engine_client.py), which `connect()` and the HTTP
+server of `raylm serve` use. Requests and outputs cross over the frontend channel
+(cluster/channel.py): `push` brings a frontend's submissions and aborts in batches, `pull`
+hands it every delta of its requests since its last pull (cluster/outbox.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import ray
+
+from cluster.config import EngineConfig
+from cluster.outbox import Outboxes
+
+NAMESPACE = "raylm"
+
+
+class EngineActor:
+    def __init__(self, config: dict):
+        from cluster.engine import Engine
+
+        self.engine = Engine(EngineConfig(**config))
+        self._outboxes = Outboxes(self.engine)
+        self._ready = False
+
+    async def start(self) -> dict:
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.start)
+        self._ready = True
+        return self.info()
+
+    def ready(self) -> bool:
+        return self._ready
+
+    def info(self) -> dict:
+        e = self.engine
+        return {"config": e.config.to_dict(), "model_path": e.model_path, "max_model_len": e.max_model_len,
+                "vocab_size": e.vocab_size, "ready": self._ready}
+
+    # ---- the frontend channel ----
+    async def open_frontend(self, frontend_id: str, lease_s: float) -> None:
+        self._outboxes.open(frontend_id, lease_s)
+
+    async def push(self, frontend_id: str, ops: bytes) -> bytes:
+        if not self._ready:
+            raise RuntimeError("the engine is still loading")
+        return self._outboxes.push(frontend_id, ops)
+
+    async def pull(self, frontend_id: str, wait_s: float) -> bytes:
+        return await self._outboxes.pull(frontend_id, wait_s)
+
+    async def close_frontend(self, frontend_id: str) -> int:
+        return self._outboxes.close(frontend_id)
+
+    def abort(self, request_id: str) -> bool:
+        return self.engine.abort(request_id)
+
+    def stats(self) -> dict:
+        return {**self.engine.stats(), **self._outboxes.stats()}
+
+    def health(self) -> dict:
+        if not self._ready:
+            return {"status": "unavailable", "reason": "the engine is still loading", "replicas": [],
+                    "retry_after_s": 5}
+        return self.engine.health()
+
+    def worker_stats(self) -> list[dict]:
+        return self.engine.worker_stats()
+
+    def metrics_text(self) -> bytes:
+        return self.engine.metrics_text()
+
+    def apply_chat_template(self, messages) -> str:
+        return self.engine.apply_chat_template(messages)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        ray.actor.exit_actor()
+
+
+RemoteEngineActor = ray.remote(num_cpus=0, max_concurrency=1000, max_restarts=0)(EngineActor)
+
+
+def launch_detached(config: EngineConfig, name: str, namespace: str = NAMESPACE, timeout_s: float = 900.0):
+    """Start a named, detached EngineActor and wait until its model is loaded."""
+    try:
+        ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        pass
+    else:
+        raise ValueError(f"an engine named {name!r} already runs in namespace {namespace!r}")
+    actor = RemoteEngineActor.options(name=name, namespace=namespace, lifetime="detached").remote(config.to_dict())
+    return actor, actor.start.remote()

@@ -1,0 +1,103 @@
+"""EngineClient: the client side of an EngineActor, what `connect()` hands to LLMHandle.
+
+EngineClient gives LLMHandle the same methods a local Engine has, so a connected handle
+generates, streams, chats and reports stats like a launched one. Requests and their
+outputs travel over the frontend channel (cluster/channel.py): each EngineClient is one
+Frontend, whose submissions, aborts and deltas cross in batches, never one Ray call per
+request or per token.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import ray
+from ray.exceptions import RayTaskError
+
+from cluster.config import EngineConfig
+from cluster.engine_actor import NAMESPACE
+from cluster.frontend import Frontend
+from cluster.outbox import DEFAULT_LEASE_S
+from cluster.stream import RequestStream
+
+
+def _cause(e: RayTaskError) -> BaseException:
+    """The exception raised inside the actor (ValueError, EngineOverloadedError, ...)."""
+    cause = getattr(e, "cause", None)
+    return cause if isinstance(cause, BaseException) else e
+
+
+def _get(ref):
+    try:
+        return ray.get(ref)
+    except RayTaskError as e:
+        raise _cause(e) from None
+
+
+class EngineClient:
+    """A connected engine: requests over the frontend channel, the rest as Ray calls."""
+
+    def __init__(self, actor, info: dict, lease_s: float = DEFAULT_LEASE_S):
+        self._actor = actor
+        self.info = info
+        self.config = EngineConfig(**info["config"])
+        self.model_path = info["model_path"]
+        self.max_model_len = info["max_model_len"]
+        self.vocab_size = info["vocab_size"]
+        self._tokenizer = None
+        self.frontend = Frontend(actor, lease_s=lease_s)
+
+    @classmethod
+    def attach(cls, name: str, namespace: str = NAMESPACE, lease_s: float = DEFAULT_LEASE_S) -> "EngineClient":
+        try:
+            actor = ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            raise ValueError(f"no raylm engine named {name!r} in namespace {namespace!r}; "
+                             f"start one with `raylm serve --name {name}`") from None
+        return cls(actor, _get(actor.info.remote()), lease_s)
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer, loaded here from the engine's model path (that path must
+        exist on this machine; generate/chat do not need it)."""
+        if self._tokenizer is None:
+            from workers.loader import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.model_path)
+        return self._tokenizer
+
+    def add_request(self, prompt, params=None, request_id: str | None = None, loop=None) -> RequestStream:
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        if not isinstance(rid, str) or not rid:
+            raise ValueError(f"request_id must be a non-empty string, got {rid!r}")
+        return self.frontend.submit(prompt, params, rid, loop)
+
+    def apply_chat_template(self, messages) -> str:
+        return _get(self._actor.apply_chat_template.remote(messages))
+
+    def abort(self, request_id: str) -> bool:
+        return self.frontend.abort(request_id)
+
+    def stats(self) -> dict:
+        return _get(self._actor.stats.remote())
+
+    def health(self) -> dict:
+        return _get(self._actor.health.remote())
+
+    def worker_stats(self) -> list[dict]:
+        return _get(self._actor.worker_stats.remote())
+
+    def metrics_text(self) -> bytes:
+        return _get(self._actor.metrics_text.remote())
+
+    def shutdown(self) -> None:
+        """Detach (aborting what this handle left running); the engine keeps serving
+        others (stop it with `stop_engine`)."""
+        self.frontend.close()
+
+    def stop_engine(self) -> None:
+        self.frontend.close()
+        try:
+            _get(self._actor.shutdown.remote())
+        except ray.exceptions.RayActorError:
+            pass  # exit_actor ends the call this way
