@@ -233,3 +233,53 @@ def print_figures(name: str, f: dict, out=sys.stdout) -> None:
     for k in ("ttft", "tpot", "itl", "e2el"):
         print(f"  {k.upper():5s} ms  mean {ms(k + '_mean')}  median {ms(k + '_median')}  p99 {ms(k + '_p99')}",
               file=out)
+
+
+def run(a) -> int:
+    """`raylm bench --serve-http`: see the module docstring."""
+    import logging
+
+    import ray
+
+    from workers.loader import bundled_model_path, load_tokenizer
+
+    model = None if a.model in (None, "tiny", "bundled") or a.model.startswith("random:") else a.model
+    path = model or bundled_model_path()
+    tok = load_tokenizer(path)
+    prompts = random_prompts(tok, a.num_requests, a.input_len[0], a.seed)
+    output_len = a.output_len[0]
+    rate = a.rate[0]
+    engine = {"dtype": a.compute_dtype if a.compute_dtype != "auto" else "float32",
+              "max_num_seqs": a.batch_size[0], "max_num_batched_tokens": a.max_num_batched_tokens}
+    if not ray.is_initialized():
+        ray.init(address=a.address, include_dashboard=False, logging_level=logging.WARNING)
+    serve_args = ["--address", ray.get_runtime_context().gcs_address, "--name", "raylm-bench-http",
+                  "--dtype", engine["dtype"], "--max-num-seqs", str(engine["max_num_seqs"]),
+                  "--max-num-batched-tokens", str(engine["max_num_batched_tokens"])]
+    if model:
+        serve_args += ["--model", model]
+    if a.threads_per_worker:
+        serve_args += ["--threads-per-worker", str(a.threads_per_worker)]
+        engine["threads_per_worker"] = a.threads_per_worker
+    name = os.path.basename(os.path.normpath(model)) if model else "tiny-qwen3"
+    results = {}
+    print(f"workload: {len(prompts)} requests, {a.input_len[0]} prompt tokens (random ids as text), "
+          f"{output_len} output tokens, ignore_eos, rate {rate}; load average {os.getloadavg()[0]:.1f}", flush=True)
+    log_path = os.path.join(a.profile or "/tmp", "raylm-bench-serve.log")
+    with ServeProcess(serve_args, log_path) as srv:
+        asyncio.run(drive(srv.base, name, prompts[:8], 8))  # warm-up
+        records, elapsed = asyncio.run(drive(srv.base, name, prompts, output_len, rate, a.seed))
+        results["raylm serve (HTTP)"] = figures(records, elapsed)
+        print_figures("raylm serve (HTTP)", results["raylm serve (HTTP)"])
+    if a.in_process:
+        records, elapsed = in_process(prompts, output_len, engine)
+        results["raylm in-process"] = figures(records, elapsed)
+        print_figures("raylm in-process", results["raylm in-process"])
+        ratio = results["raylm serve (HTTP)"]["output_throughput"] / results["raylm in-process"]["output_throughput"]
+        print(f"served / in-process output throughput: {ratio:.2f}x")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"workload": {"num_requests": len(prompts), "input_len": a.input_len[0],
+                                    "output_len": output_len, "rate": rate}, "engine": engine, "runs": results,
+                       "load_avg": os.getloadavg()}, f, indent=1, default=str)
+    return 0
