@@ -5,7 +5,7 @@ two calls, each carrying many requests at once:
 
 - `push(frontend_id, ops)`: submissions `[SUBMIT, request_id, prompt, params]` and aborts
   `[ABORT, request_id]`; the reply lists the submissions refused (`[request_id, kind,
-  message]`, kind one of REFUSALS).
+  message, retry_after_s]`, kind one of REFUSALS).
 - `pull(frontend_id, wait_s)`: every delta of this frontend's requests produced since the
   last pull, one entry per delta:
   `[request_id, text, token_ids, finish_reason, logprobs, final]`, where logprobs is None
@@ -64,10 +64,13 @@ def params_from(d: dict | None) -> SamplingParams | None:
 
 def refusal(request_id: str, error: BaseException) -> list:
     kind = next((k for k, cls in REFUSALS.items() if isinstance(error, cls) and k != "error"), "error")
-    return [request_id, kind, str(error) if kind != "error" else f"{type(error).__name__}: {error}"]
+    message = str(error) if kind != "error" else f"{type(error).__name__}: {error}"
+    return [request_id, kind, message, getattr(error, "retry_after_s", None)]
 
 
-def refusal_error(kind: str, message: str) -> BaseException:
+def refusal_error(kind: str, message: str, retry_after_s: float | None = None) -> BaseException:
+    if kind == "dead":
+        return EngineDeadError(message, retry_after_s)
     return REFUSALS.get(kind, RuntimeError)(message)
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from cluster.config import EngineConfig
 from cluster.detokenizer import IncrementalDetokenizer
-from cluster.errors import EngineOverloadedError
+from cluster.errors import EngineDeadError, EngineOverloadedError
 from cluster.metrics import EngineMetrics
 from cluster.outputs import RequestMetrics, RequestOutput, StreamDelta, TokenLogprob
 from cluster.placement import create_replica_groups, default_threads, release, worker_resources
@@ -164,7 +164,10 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids)
-        replica = self._router.pick(self.replicas, ids)
+        try:
+            replica = self._router.pick(self.replicas, ids)
+        except EngineDeadError as e:  # say when to come back
+            raise EngineDeadError(str(e), self._retry_after()) from None
         if replica.num_waiting() >= self.config.max_waiting_requests:
             raise EngineOverloadedError(
                 f"too many waiting requests ({self.config.max_waiting_requests} on replica {replica.index}); retry later")
@@ -249,6 +252,10 @@ class Engine:
         self.metrics.observe_finished(reason_value, output.metrics.ttft, output.metrics.tpot)
         st.stream.put(StreamDelta(req.request_id, text, list(new_ids), logprobs, reason_value, output))
 
+    def _retry_after(self) -> float | None:
+        waits = [r.health_state.cooldown_left() for r in self.replicas if r.health_state.state == "down"]
+        return min(waits) if waits else None
+
     # ---- stats ----
     def health(self) -> dict:
         """Whether requests can be served now: "ok" (every replica up), "degraded" (some
@@ -282,7 +289,7 @@ class Engine:
         total = {}
         for snap in reps:
             for k, v in snap.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "replica":
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in _PER_REPLICA_ONLY:
                     total[k] = total.get(k, 0) + v
         queried = total.get("prefix_queried_tokens", 0)
         total["prefix_hit_rate"] = total.get("prefix_hit_tokens", 0) / queried if queried else 0.0
@@ -298,6 +305,9 @@ class Engine:
         total["max_model_len"] = self.max_model_len
         total["replicas"] = reps
         return total
+
+
+_PER_REPLICA_ONLY = ("replica", "last_error_time", "retry_in_s")  # numbers that make no sense summed
 
 
 class _NoText:

@@ -48,7 +48,7 @@ class EngineClient:
         self.frontend = Frontend(actor, lease_s=lease_s)
 
     @classmethod
-    def attach(cls, name: str, namespace: str = NAMESPACE, lease_s: float = DEFAULT_LEASE_S) -> "EngineClient":
+    def attach(cls, name: str, namespace: str = NAMESPACE, lease_s: float = DEFAULT_LEASE_S) -> EngineClient:
         try:
             actor = ray.get_actor(name, namespace=namespace)
         except ValueError:

@@ -116,10 +116,10 @@ class Frontend:
                 return
             items = []
             with self._lock:
-                for rid, kind, message in refused:
+                for rid, kind, message, retry_after_s in refused:
                     entry = self._open.pop(rid, None)
                     if entry is not None:
-                        items.append((entry.stream, channel.refusal_error(kind, message)))
+                        items.append((entry.stream, channel.refusal_error(kind, message, retry_after_s)))
             deliver(items)
 
     def _pull_loop(self) -> None:

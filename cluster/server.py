@@ -20,8 +20,8 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.concurrency import run_in_threadpool
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import openai_api as oa
@@ -53,7 +53,7 @@ def _from_exception(e: BaseException) -> ApiError:
     if isinstance(e, EngineOverloadedError):
         return ApiError(429, str(e), "rate_limit_error")
     if isinstance(e, EngineDeadError):
-        return ApiError(503, str(e), "service_unavailable")
+        return ApiError(503, str(e), "service_unavailable", retry_after=e.retry_after_s)
     if isinstance(e, ValueError):
         return ApiError(400, str(e))
     return ApiError(500, f"{type(e).__name__}: {e}", "internal_error")
@@ -93,7 +93,7 @@ class ApiKeyAuth:
     """ASGI middleware: every /v1 route needs `Authorization: Bearer <key>` (plain ASGI,
     so streamed responses pass straight through)."""
 
-    def __init__(self, app, state: "ServerState"):
+    def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
 
     async def __call__(self, scope, receive, send):

@@ -17,12 +17,11 @@ import json
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-
-import statistics
 
 
 @dataclass
@@ -156,7 +155,7 @@ class ServeProcess:
         self.args, self.log_path, self.timeout_s = args, log_path, timeout_s
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "ServeProcess":
+    def __enter__(self) -> ServeProcess:
         import httpx
 
         self._log = open(self.log_path, "w")

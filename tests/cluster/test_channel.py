@@ -77,8 +77,8 @@ def test_params_cross_as_plain_fields_and_are_validated_again():
                                         (EngineDeadError("gone"), EngineDeadError),
                                         (KeyError("x"), RuntimeError)])
 def test_refusals_are_raised_as_their_kind_on_the_frontend(error, kind):
-    rid, k, message = channel.refusal("r", error)
-    got = channel.refusal_error(k, message)
+    rid, k, message, retry_after = channel.refusal("r", error)
+    got = channel.refusal_error(k, message, retry_after)
     assert type(got) is kind and rid == "r"
 
 
@@ -91,6 +91,7 @@ def test_one_pull_carries_every_delta_of_many_requests_in_order():
         ops += [channel.submit_op("x", "bad", None), channel.submit_op("y", "full", None)]
         refused = channel.unpack(boxes.push("fe", channel.pack(ops)))
         assert [(r[0], r[1]) for r in refused] == [("x", "value"), ("y", "overloaded")]
+        assert channel.refusal_error(*refused[0][1:]).args[0] == "prompt must not be bad, got 'bad'"
 
         def replica(ids):  # a replica thread producing three steps of deltas
             for step in range(3):
