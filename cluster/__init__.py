@@ -23,7 +23,13 @@ __all__ = [
 
 def ensure_ray(address: str | None = None) -> bool:
     """Join a running Ray (this process's, `address`, or one started with `ray start`),
-    else start a local one. Returns True when this call initialized Ray here."""
+    else start a local one. Returns True when this call initialized Ray here.
+
+    A Ray started here runs its workers at this process's priority: Ray's default renices
+    worker processes to 15, so on a busy host the HTTP server and its clients (at 0)
+    would starve the engine and its workers (set RAY_worker_niceness to override)."""
+    import os
+
     import ray
 
     if ray.is_initialized():
@@ -35,6 +41,7 @@ def ensure_ray(address: str | None = None) -> bool:
     try:
         ray.init(address="auto", **opts)
     except ConnectionError:
+        os.environ.setdefault("RAY_worker_niceness", "0")  # read by the raylet this starts
         ray.init(**opts)
     return True
 
