@@ -39,7 +39,7 @@ warm() {  # port: a few requests so first-request compiles stay out of the timed
 echo "== raylm serve (load average $(cut -d' ' -f1 /proc/loadavg))"
 PORT=8301
 .venv/bin/raylm serve --dtype float32 --max-num-seqs 64 --served-model-name "$NAME" --port $PORT \
-  --name raylm-vs-vllm >"$OUT/raylm-serve.log" 2>&1 &
+  --name raylm-vs-vllm --address local >"$OUT/raylm-serve.log" 2>&1 &
 PID=$!
 trap 'kill -INT $PID 2>/dev/null || true' EXIT
 wait_healthy $PORT $PID

@@ -35,6 +35,8 @@ def ensure_ray(address: str | None = None) -> bool:
     if ray.is_initialized():
         return False
     opts = dict(include_dashboard=False, logging_level=logging.WARNING)
+    if address == "local":  # a new single-node Ray of our own, whatever else runs here
+        os.environ.setdefault("RAY_worker_niceness", "0")
     if address is not None:
         ray.init(address=address, **opts)
         return True

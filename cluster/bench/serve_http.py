@@ -250,8 +250,10 @@ def run(a) -> int:
     rate = a.rate[0]
     engine = {"dtype": a.compute_dtype if a.compute_dtype != "auto" else "float32",
               "max_num_seqs": a.batch_size[0], "max_num_batched_tokens": a.max_num_batched_tokens}
-    if not ray.is_initialized():
-        ray.init(address=a.address, include_dashboard=False, logging_level=logging.WARNING)
+    if not ray.is_initialized():  # our own Ray unless --address says otherwise; workers at our priority
+        if a.address is None:
+            os.environ.setdefault("RAY_worker_niceness", "0")
+        ray.init(address=a.address or "local", include_dashboard=False, logging_level=logging.WARNING)
     serve_args = ["--address", ray.get_runtime_context().gcs_address, "--name", "raylm-bench-http",
                   "--dtype", engine["dtype"], "--max-num-seqs", str(engine["max_num_seqs"]),
                   "--max-num-batched-tokens", str(engine["max_num_batched_tokens"])]
