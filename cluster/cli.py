@@ -24,12 +24,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads-per-worker", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    p.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="queue bound per replica; beyond it requests are refused (HTTP 429)")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     kw = dict(model=a.model, device=a.device, num_replicas=a.replicas, dtype=a.dtype,
               num_kv_blocks=a.num_kv_blocks, max_model_len=a.max_model_len, threads_per_worker=a.threads_per_worker)
-    for name in ("max_num_seqs", "max_num_batched_tokens"):  # unset: EngineConfig's default
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):  # unset: EngineConfig's default
         if getattr(a, name) is not None:
             kw[name] = getattr(a, name)
     return kw

@@ -138,6 +138,8 @@ def add_parser(sub) -> None:
                    help="drive a real `raylm serve` over HTTP with concurrent streaming clients (vLLM's bench serve "
                         "figures); the bundled tiny model unless --model names a checkpoint; first of --input-len, "
                         "--output-len, --rate and --batch-size (max_num_seqs)")
+    b.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="with --serve-http: the server's queue bound (a flood beyond it gets 429)")
     b.add_argument("--in-process", action="store_true",
                    help="with --serve-http: the same requests through cluster.launch() too, for the ratio")
     b.add_argument("--repeat", type=int, default=1, help="rounds of the offline runs (order reversed every other)")

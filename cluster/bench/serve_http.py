@@ -37,11 +37,15 @@ class RequestRecord:
 
 
 def random_prompts(tokenizer, n: int, input_len: int, seed: int = 0) -> list[str]:
-    """Like vLLM's random dataset: random token ids, decoded to text."""
+    """Like vLLM's random dataset: random token ids, decoded to text (about input_len tokens)."""
     rng = random.Random(seed)
     specials = set(getattr(tokenizer, "all_special_ids", []) or [])
     vocab = [i for i in range(len(tokenizer)) if i not in specials]
-    return [tokenizer.decode([rng.choice(vocab) for _ in range(input_len)]) for _ in range(n)]
+    prompts = []
+    for _ in range(n):  # decoded random bytes re-encode longer: cut to length and decode again, as vLLM does
+        text = tokenizer.decode([rng.choice(vocab) for _ in range(input_len)])
+        prompts.append(tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:input_len]))
+    return prompts
 
 
 async def _one(session, url: str, body: dict, headers: dict) -> RequestRecord:
@@ -138,6 +142,16 @@ def figures(records: list[RequestRecord], elapsed: float) -> dict:
         **summarize("itl", [x for r in ok for x in r.itl]),
         **summarize("e2el", [r.latency for r in ok]),
     }
+
+
+def engine_state(base: str) -> dict:
+    """What the server's /metrics says is left once the load is over (it should be nothing)."""
+    import httpx
+
+    wanted = ("raylm_kv_blocks_used", "raylm_requests_running", "raylm_requests_waiting", "raylm_preemptions_total")
+    lines = httpx.get(base + "/metrics", timeout=30).text.splitlines()
+    found = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in lines if ln.split(" ")[0] in wanted}
+    return {k.removeprefix("raylm_"): v for k, v in found.items()}
 
 
 def _free_port() -> int:
@@ -259,6 +273,8 @@ def run(a) -> int:
                   "--max-num-batched-tokens", str(engine["max_num_batched_tokens"])]
     if model:
         serve_args += ["--model", model]
+    if a.max_waiting_requests:
+        serve_args += ["--max-waiting-requests", str(a.max_waiting_requests)]
     if a.threads_per_worker:
         serve_args += ["--threads-per-worker", str(a.threads_per_worker)]
         engine["threads_per_worker"] = a.threads_per_worker
@@ -271,7 +287,9 @@ def run(a) -> int:
         asyncio.run(drive(srv.base, name, prompts[:8], 8))  # warm-up
         records, elapsed = asyncio.run(drive(srv.base, name, prompts, output_len, rate, a.seed))
         results["raylm serve (HTTP)"] = figures(records, elapsed)
+        results["raylm serve (HTTP)"]["after"] = after = engine_state(srv.base)
         print_figures("raylm serve (HTTP)", results["raylm serve (HTTP)"])
+        print(f"  afterwards: {after}")
     if a.in_process:
         records, elapsed = in_process(prompts, output_len, engine)
         results["raylm in-process"] = figures(records, elapsed)
