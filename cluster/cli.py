@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server over a named engine actor")
     _engine_args(s)
-    s.add_argument("--address", default=None, help="Ray address to join ('auto': the local node's cluster; 'local': start a new single-node Ray)")
+    s.add_argument("--address", default=None,
+                   help="Ray address to join ('auto': the local node's cluster; 'local': start a new single-node Ray)")
     s.add_argument("--name", default="raylm", help="engine actor name, for cluster.connect(name)")
     s.add_argument("--served-model-name", default=None, help="model id in the API (default: model dir name)")
     s.add_argument("--host", default="127.0.0.1")
