@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import ray
 
-from cluster import channel
+import cluster.channel as channel
 from cluster.errors import EngineDeadError
 from cluster.outbox import DEFAULT_LEASE_S
 from cluster.outputs import StreamDelta, TokenLogprob

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 
-from cluster import channel
+import cluster.channel as channel
 from cluster.outputs import StreamDelta
 
 log = logging.getLogger(__name__)

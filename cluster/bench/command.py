@@ -193,7 +193,7 @@ def run(a: argparse.Namespace) -> int:
     import cluster
 
     if a.serve_http:
-        from cluster.bench import serve_http
+        import cluster.bench.serve_http as serve_http
 
         return serve_http.run(a)
 
