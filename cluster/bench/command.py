@@ -146,6 +146,14 @@ def add_parser(sub) -> None:
                    help="torch threads per worker (default: cores // replicas)")
     b.add_argument("--serve", action="store_true", help="serving load: Poisson arrivals at --rate")
     b.add_argument("--rate", type=_rates, default=[1.0], help="requests per second (list; inf: all at once)")
+    b.add_argument("--serve-http", action="store_true",
+                   help="drive a real `raylm serve` over HTTP with concurrent streaming clients (vLLM's bench serve "
+                        "figures); the bundled tiny model unless --model names a checkpoint; first of --input-len, "
+                        "--output-len, --rate and --batch-size (max_num_seqs)")
+    b.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="with --serve-http: the server's queue bound (a flood beyond it gets 429)")
+    b.add_argument("--in-process", action="store_true",
+                   help="with --serve-http: the same requests through cluster.launch() too, for the ratio")
     b.add_argument("--repeat", type=int, default=1, help="rounds of the offline runs (order reversed every other)")
     b.add_argument("--address", default=None, help="Ray address to join (default: this process's or a local one)")
     b.add_argument("--json", default=None, metavar="PATH", help="write every figure here (updated after each run)")
@@ -208,6 +216,11 @@ def _machine() -> dict:
 
 def run(a: argparse.Namespace) -> int:
     import cluster
+
+    if a.serve_http:
+        import cluster.bench.serve_http as serve_http
+
+        return serve_http.run(a)
 
     if a.plot:
         try:
