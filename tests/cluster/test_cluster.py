@@ -42,17 +42,19 @@ def _expected(tiny, prompts, max_tokens=MAX_TOKENS):
     return hf_greedy(path, ids, max_tokens, stop_ids=eos)
 
 
-def _pool_forcing_preemption(tiny, prompts, block_size, max_tokens=MAX_TOKENS):
-    """A KV pool that holds the largest request alone but far from all of them at once."""
+def _pool_forcing_preemption(tiny, prompts, block_size, outputs, num_replicas=1):
+    """A KV pool per replica that holds the largest request alone but far from its share of
+    them at once, sized from the real output lengths (the model stops at EOS)."""
     _, tok, _ = tiny
-    need = [math.ceil((len(tok.encode(p, add_special_tokens=False)) + max_tokens) / block_size) for p in prompts]
-    return max(max(need) + 1, sum(need) // 3)
+    need = [math.ceil((len(tok.encode(p, add_special_tokens=False)) + len(o)) / block_size)
+            for p, o in zip(prompts, outputs)]
+    return max(max(need) + 1, sum(need) // (3 * num_replicas))
 
 
 @pytest.mark.parametrize("num_replicas", [1, 2])
 def test_greedy_parity_under_preemption_and_chunked_prefill(ray_session, tiny, num_replicas):
     expected = _expected(tiny, PROMPTS)
-    pool = _pool_forcing_preemption(tiny, PROMPTS, block_size=4)
+    pool = _pool_forcing_preemption(tiny, PROMPTS, 4, expected, num_replicas)
     with cluster.launch(num_replicas=num_replicas, block_size=4, num_kv_blocks=pool,
                         max_num_batched_tokens=16, max_num_seqs=8, threads_per_worker=1) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
