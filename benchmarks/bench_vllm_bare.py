@@ -48,7 +48,7 @@ def main() -> None:
     print(f"# {a.checkpoint}: {wl.describe()}; both compute {dtype}; load average {os.getloadavg()}", flush=True)
     t = time.perf_counter()
     peer = VLLMPeer(a.checkpoint, dtype=dtype, max_num_seqs=a.batch_size,
-                    max_num_batched_tokens=a.max_num_batched_tokens, block_size=16, threads=a.threads,
+                    max_num_batched_tokens=a.max_num_batched_tokens, block_size=None, threads=a.threads,
                     venv=a.peers_venv, log_path=os.path.join(os.path.dirname(a.checkpoint), "vllm-peer-bare.log"))
     print(f"vLLM {peer.version} up in {time.perf_counter() - t:.0f}s", flush=True)
     model = load_model(a.checkpoint, dtype)
