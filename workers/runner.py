@@ -32,6 +32,7 @@ from workers.loader import (
 )
 from workers.logits_codec import encode_logits
 from workers.models.qwen3 import Qwen3ForCausalLM
+from workers.ops import get_op_table
 from workers.resident import ResidentOutputs
 from workers.runner_config import RunnerConfig, device_outputs_enabled
 from workers.sampler import Sampler, row_logprobs
@@ -81,6 +82,9 @@ class ModelRunner:
         self.model = model.eval()
         mc = model.config
         self.vocab_size = min(mc.vocab_size, tokenizer_size or mc.vocab_size)  # the real vocab
+        self.ops = get_op_table(self.device, config.ops)
+        with torch.no_grad():
+            self.model.prepare(self.ops, logits_rows=self.vocab_size)  # weights fused / packed once
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
@@ -205,6 +209,7 @@ class ModelRunner:
             "weights_dtype": str(self.weights_dtype).removeprefix("torch."),
             "device_outputs": self.device_outputs,
             "weights_fingerprint": self.weights_fingerprint,
+            "ops": self.ops.describe(),
         }
 
     def close(self) -> None:
