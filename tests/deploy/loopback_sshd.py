@@ -156,6 +156,13 @@ class LoopbackSshd:
                 out.append((pid, cmd))
         return out
 
+    def kill_cluster_processes(self) -> list[int]:
+        """What `ray stop` does on the nodes, by pid (SIGKILL): every process there but sshd."""
+        pids = [pid for pid, _ in self.cluster_processes()]
+        for pid in pids:
+            _signal(pid, signal.SIGKILL)
+        return pids
+
     def stop(self) -> list[int]:
         """Ends sshd's namespace, so every process in it; returns pids still alive after."""
         inside = self.processes()

@@ -191,9 +191,11 @@ def test_ray_up_joins_both_nodes_serves_a_completion_and_ray_down(loopback):
         up = loopback.run([BIN / "raylm", "up", cfg, "-y"], timeout=240)
         if up.returncode != 0 and RAYLET_STARTUP_TIMEOUT in up.stdout + up.stderr:
             # Ray's raylet gives its agents ~15 s to start; on a loaded machine they can miss
-            # it. What a user would do: start Ray again, without the setup commands.
+            # it. What a user would do: stop what the failed start left (its GCS lives on),
+            # then start Ray again without the setup commands.
             print(f"\n[deploy] head raylet startup timed out (machine load {os.getloadavg()[0]:.0f}); "
                   "ray up --restart-only once more")
+            loopback.sshd.kill_cluster_processes()
             up = loopback.run([BIN / "raylm", "up", cfg, "-y", "--restart-only"], timeout=240)
         assert up.returncode == 0, _tail(up) + loopback.monitor_logs()
         timings["raylm up"] = time.monotonic() - t0
