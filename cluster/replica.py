@@ -4,13 +4,28 @@ The loop runs on its own thread. It keeps up to `pipeline_depth` steps in flight
 N+1 is sent before result N is back, its decode rows taking the worker's resident
 tokens, so the worker never waits on the driver. An idle replica blocks on an Event (no
 polling). A worker that dies, raises or hangs past the step timeout is replaced and every
-unfinished request is recomputed from its prompt and the tokens it already has; after
-`max_worker_restarts` failed attempts the replica's requests finish with an error.
+unfinished request is recomputed from its prompt and the tokens it already has.
+
+Healing (cluster/replica_health.py, cluster/restart_budget.py): restarts are a rate, at
+most `max_worker_restarts` within `restart_window_s`, spaced by a doubling backoff.
+Beyond the budget the replica gives up: its requests finish with an error and the router
+skips it. After `replica_cooldown_s` the loop starts a worker again; once it answers,
+the replica is routable again with an empty cache and a fresh budget.
+
+Data flows one way. Requests come in through `add` (which raises at once on a request the
+scheduler refuses). Outputs go out through `emit(replica, updates)`, called on the loop
+thread with no lock held; it must not call back into the replica except to post a message.
+Aborts and stop-string finishes come back as messages (`post_finish`), drained by the loop
+before it plans the next step (and by any reader of the scheduler's state before it reads).
+`self._lock` (a plain Lock) only keeps the scheduler consistent between the loop and the
+callers of add / load / snapshot.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import queue
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -21,10 +36,12 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from cluster.config import EngineConfig
 from cluster.errors import EngineDeadError
 from cluster.placement import release, scheduling_strategy
+from cluster.replica_health import ReplicaHealth
 from scheduler.protocol import StepResult, pack_int32, sampled_on_device
-from scheduler.request import Request
-from scheduler.scheduler import RequestUpdate, Scheduler, SchedulerConfig
+from scheduler.request import FinishReason, Request, RequestUpdate
+from scheduler.scheduler import Scheduler
 from workers.actor import remote_worker
+from workers.runner_config import RunnerConfig
 
 log = logging.getLogger(__name__)
 
@@ -42,20 +59,21 @@ class ReplicaStats:
 
 
 class Replica:
-    def __init__(self, index: int, config: EngineConfig, runner_config: dict, resources, pg,
-                 on_updates, host_sampler=None):
+    def __init__(self, index: int, config: EngineConfig, runner_config: RunnerConfig, resources, pg, emit):
         self.index = index
         self.config = config
         self._runner_config = runner_config
         self._resources = resources
         self._pg = pg
-        self._on_updates = on_updates  # called on the loop thread with (replica, [RequestUpdate])
-        self._host_sampler = host_sampler  # a workers.sampler.Sampler when the driver samples
-        self._depth = config.pipeline_depth if host_sampler is None else 1
-        self.lock = threading.RLock()  # guards the scheduler
+        self._emit = emit  # emit(replica, [RequestUpdate]): the loop thread's outputs, no lock held
+        self._host_sampler = None  # host-logits mode: this replica's own Sampler (start() makes it)
+        self._depth = config.pipeline_depth_for(runner_config.device_outputs)
+        self._lock = threading.Lock()  # guards the scheduler
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (request_id, FinishReason) to finish
         self._wakeup = threading.Event()
         self._stopping = False
-        self.dead = False
+        self._stopped = threading.Event()  # interrupts backoff and cool-down waits
+        self.health_state = ReplicaHealth(index, config)
         self.worker = None
         self.info: dict = {}
         self.scheduler: Scheduler | None = None
@@ -64,17 +82,24 @@ class Replica:
 
     # ---- lifecycle ----
     def start(self) -> None:
+        if not self._runner_config.device_outputs:
+            import torch  # the driver samples: it needs torch's CPU sampler
+
+            from workers.sampler import Sampler
+
+            # one per replica: a Sampler's generators must not be shared across loop threads
+            self._host_sampler = Sampler(torch.device("cpu"), seed=self._runner_config.seed)
         self.info = self._start_worker()
-        self.scheduler = Scheduler(SchedulerConfig(
-            num_blocks=self.info["num_kv_blocks"],
-            block_size=self.config.block_size,
-            max_num_seqs=self.config.max_num_seqs,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
-            max_model_len=self.info["max_model_len"],
-            enable_prefix_caching=self.config.enable_prefix_caching,
-        ))
+        self.scheduler = Scheduler(self.config.scheduler_config(
+            num_blocks=self.info["num_kv_blocks"], max_model_len=self.info["max_model_len"]))
+        self.health_state.on_up()
         self._thread = threading.Thread(target=self._loop, name=f"raylm-replica-{self.index}", daemon=True)
         self._thread.start()
+
+    @property
+    def dead(self) -> bool:
+        """Not routable: it gave up (cooling down before a retry) or was shut down."""
+        return not self.health_state.routable
 
     def _start_worker(self) -> dict:
         self.worker = remote_worker().options(
@@ -82,14 +107,17 @@ class Replica:
             resources={self._resources.accelerator: 1} if self._resources.accelerator else None,
             scheduling_strategy=scheduling_strategy(self._pg),
         ).remote()
-        return ray.get(self.worker.start.remote(self._runner_config), timeout=self.config.start_timeout_s)
+        config = dataclasses.asdict(self._runner_config)  # a plain dict crosses to the actor
+        return ray.get(self.worker.start.remote(config), timeout=self.config.start_timeout_s)
 
     def shutdown(self) -> None:
         self._stopping = True
+        self._stopped.set()
         self._wakeup.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
         self._kill_worker()
+        self.health_state.state = "stopped"
         release(self._pg)
 
     def _kill_worker(self) -> None:
@@ -102,33 +130,33 @@ class Replica:
 
     # ---- requests (any thread) ----
     def add(self, request: Request) -> None:
-        with self.lock:
+        """Queue `request`; raises (ValueError, EngineDeadError) when it cannot be served here."""
+        with self._lock:
             if self.dead:
-                raise EngineDeadError(f"replica {self.index} is down: its worker failed beyond the restart budget")
+                raise EngineDeadError(f"replica {self.index} is down: its worker failed beyond the restart budget "
+                                      f"(retry in {self.health_state.cooldown_left():.0f} s)")
             self.scheduler.add_request(request)
         self._wakeup.set()
 
-    def abort(self, request_id: str) -> Request | None:
-        with self.lock:
-            req = self.scheduler.abort(request_id)
-        self._wakeup.set()
-        return req
-
-    def finish(self, request_id: str, reason) -> None:
-        with self.lock:
-            self.scheduler.finish(request_id, reason)
+    def post_finish(self, request_id: str, reason: FinishReason) -> None:
+        """Ask the loop to finish a request (an abort, a stop string): a message, applied
+        before the next plan; its blocks are freed then. Never blocks, takes no lock."""
+        self._inbox.put((request_id, reason))
         self._wakeup.set()
 
     def load(self) -> int:
-        with self.lock:
+        with self._lock:
+            self._drain_inbox()
             return self.scheduler.outstanding_tokens()
 
     def cached_prefix_tokens(self, token_ids: list[int]) -> int:
-        with self.lock:
+        with self._lock:
+            self._drain_inbox()
             return self.scheduler.cached_prefix_tokens(token_ids)
 
     def num_waiting(self) -> int:
-        with self.lock:
+        with self._lock:
+            self._drain_inbox()
             return self.scheduler.num_waiting
 
     # ---- the loop (its own thread) ----
@@ -136,7 +164,11 @@ class Replica:
         inflight: deque = deque()  # (plan, ObjectRef)
         while not self._stopping:
             self.stats.loop_iterations += 1
-            with self.lock:
+            if self.health_state.state == "down":
+                self._rejoin_after_cooldown()
+                continue
+            with self._lock:
+                self._drain_inbox()
                 while len(inflight) < self._depth and not self.dead:
                     plan = self.scheduler.schedule()
                     if plan is None:
@@ -153,9 +185,23 @@ class Replica:
                 inflight.clear()
                 self._recover(e)
                 continue
-            self._apply(plan, data)
+            self.health_state.budget.on_step_served()
+            updates = self._apply(plan, data)
+            if updates:
+                self._emit(self, updates)  # no lock held: the engine may post_finish right back
 
-    def _apply(self, plan, data: bytes) -> None:
+    def _drain_inbox(self) -> None:
+        """Finish what the engine asked to (under the lock). The loop drains before it plans;
+        every reader of the scheduler drains first too, so what it sees reflects every
+        message posted before it looked (an aborted request's blocks are free by then)."""
+        while True:
+            try:
+                request_id, reason = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self.scheduler.finish(request_id, reason)  # None when it had finished already
+
+    def _apply(self, plan, data: bytes) -> list[RequestUpdate]:
         result = StepResult.from_bytes(data)
         s = self.stats
         s.steps += 1
@@ -165,29 +211,31 @@ class Replica:
             s.decode_steps += 1
             s.decode_rows += len(plan.rows)
             s.decode_bytes_pulled += len(data)
-        with self.lock:  # held through on_updates: one request's state changes under one lock
+        with self._lock:
             if not sampled_on_device(result):
                 self._sample_on_driver(result)
-            updates: list[RequestUpdate] = self.scheduler.update(result)
-            if updates:
-                self._on_updates(self, updates)
+            return self.scheduler.update(result)
 
     def _sample_on_driver(self, result: StepResult) -> None:
-        from workers.sampler import sample_host  # torch on the driver only in host-logits mode
+        from workers.sampler import sample_host
 
         rows = self.scheduler.sampling_rows(result.step_id)
         ids, logprobs = sample_host(result, rows, self._host_sampler)
         result.token_ids = pack_int32(ids)
         result.logprobs = logprobs
 
-    def _recover(self, error: Exception) -> None:
-        """The worker is dead, raised, or hung: replace it and recompute."""
+    def _recover(self, error: BaseException) -> None:
+        """The worker is dead, raised, or hung: replace it and recompute, within the budget."""
         log.warning("replica %d: worker failed (%s: %s); restarting", self.index, type(error).__name__, error)
         while not self._stopping:
             self._kill_worker()
-            self.stats.restarts += 1
-            if self.stats.restarts > self.config.max_worker_restarts:
-                self._give_up(f"worker failed {self.stats.restarts} times; last error: {type(error).__name__}: {error}")
+            decision = self.health_state.on_failure(error)
+            self.stats.restarts = self.health_state.budget.total_restarts
+            if decision.give_up:
+                self._give_up(f"worker failed {self.health_state.budget.max_restarts + 1} times within "
+                              f"{self.config.restart_window_s:.0f} s; last error: {self.health_state.last_error}")
+                return
+            if decision.delay_s and self._stopped.wait(decision.delay_s):
                 return
             try:
                 self._start_worker()
@@ -195,16 +243,38 @@ class Replica:
                 error = e
                 log.warning("replica %d: restart failed: %s", self.index, e)
                 continue
-            with self.lock:
+            with self._lock:
+                self._drain_inbox()
                 self.scheduler.recover()
+            self.health_state.on_up()
             return
 
     def _give_up(self, message: str) -> None:
-        log.error("replica %d: giving up: %s", self.index, message)
-        with self.lock:
-            self.dead = True
+        log.error("replica %d: giving up for %.0f s: %s", self.index, self.config.replica_cooldown_s, message)
+        with self._lock:  # the health state says "down" already: add() refuses from here on
             failed = self.scheduler.fail_all(message)
-            self._on_updates(self, [RequestUpdate(r, [], [], True) for r in failed])
+        self._emit(self, [RequestUpdate(r, [], [], True) for r in failed])
+
+    def _rejoin_after_cooldown(self) -> None:
+        """Down: wait out the cool-down, then start a worker; routable again once it is up."""
+        if self._stopped.wait(self.health_state.cooldown_left()):
+            return
+        self.health_state.on_cooldown_over()
+        log.info("replica %d: cool-down over; starting a worker", self.index)
+        try:
+            self._start_worker()
+        except Exception as e:  # stays down; the budget decides when to try next
+            log.warning("replica %d: retry after cool-down failed: %s", self.index, e)
+            self._kill_worker()
+            self.health_state.on_failure(e)
+            self.stats.restarts = self.health_state.budget.total_restarts
+            return
+        with self._lock:
+            self._drain_inbox()
+            self.scheduler.recover()  # an empty pool and cache: the new worker has neither
+        self.health_state.on_up()
+        log.info("replica %d: serving again", self.index)
+        self._wakeup.set()
 
     def worker_stats(self) -> dict:
         try:
@@ -212,12 +282,16 @@ class Replica:
         except Exception as e:
             return {"error": str(e)}
 
+    def health(self) -> dict:
+        return self.health_state.describe()
+
     def snapshot(self) -> dict:
-        with self.lock:
+        with self._lock:
+            self._drain_inbox()
             sched = self.scheduler.stats()
         s = self.stats
         return {
-            "replica": self.index,
+            **self.health_state.describe(),
             "alive": not self.dead,
             **sched,
             "steps_returned": s.steps,

@@ -49,9 +49,6 @@ class WorkerActor:
     def execute(self, plan_bytes: bytes) -> bytes:  # StepPlan bytes -> StepResult bytes
         return self.runner.execute(StepPlan.from_bytes(plan_bytes)).to_bytes()
 
-    def check_health(self) -> bool:
-        return self.runner is not None
-
     def stats(self) -> dict:
         return self.runner.stats() if self.runner is not None else {}
 
