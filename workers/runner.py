@@ -6,6 +6,10 @@ USE_RESIDENT needs no input token from the driver. Per step, the embedded inputs
 the resident "next_hidden" buffer and the sampling rows' logits into the resident "logits"
 buffer (batch sizes bucketed); only int32 ids (and logprobs when asked) reach the host.
 With device outputs off it returns the logits instead, trimmed to the real vocab.
+
+Under tensor parallelism every rank runs the same plan on its shard; logits are gathered
+to rank 0, which samples and broadcasts the ids, so every rank keeps the same last_tokens.
+Only rank 0's result means anything.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from workers.loader import (DTYPES, bundled_model_path, cast_model, is_random_sp
                             load_tokenizer, parse_random_spec, random_model, resolve_dtype, weights_fingerprint)
 from workers.models.qwen3 import Qwen3ForCausalLM
 from workers.outputs import ResidentOutputs, device_outputs_enabled, encode_logits
+from workers.parallel import SINGLE, TensorParallel
 from workers.sampler import Sampler, SamplingBatch, row_logprobs
 from workers.slots import SlotTable
 from workers.step_inputs import build_step_inputs
@@ -91,8 +96,12 @@ def _tokenizer_size(path: str) -> int | None:
 
 
 class ModelRunner:
-    def __init__(self, config: RunnerConfig, model: Qwen3ForCausalLM | None = None) -> None:
+    def __init__(self, config: RunnerConfig, model: Qwen3ForCausalLM | None = None,
+                 parallel: TensorParallel = SINGLE) -> None:
         self.config = config
+        self.parallel = parallel
+        if model is not None and parallel.enabled:
+            raise ValueError("a given model cannot be tensor-parallel: each rank loads its own shard")
         if config.device == "cpu" and config.num_threads is not None:
             set_cpu_threads(config.num_threads)
         self.device = torch_device(config.device, config.device_index)
@@ -102,12 +111,14 @@ class ModelRunner:
         stored = None  # the weights' own dtype
         given = model is not None
         if model is None and is_random_spec(config.model):
-            model = random_model(config.model, dtype=requested, device=self.device)  # None: the shape's dtype
+            model = random_model(config.model, dtype=requested, device=self.device,  # None: the shape's dtype
+                                 parallel=parallel)
             self.weights_fingerprint = weights_fingerprint(model)
         elif model is None:
             path = config.model or bundled_model_path()
             stored = resolve_dtype(load_config(path).torch_dtype)  # cast while loading: no second copy
-            model = load_model(path, dtype=compute_dtype(self.device, stored, requested), device=self.device)
+            model = load_model(path, dtype=compute_dtype(self.device, stored, requested), device=self.device,
+                               parallel=parallel)
             tokenizer_size = _tokenizer_size(path)
         self.weights_dtype = stored or model.dtype
         dtype = compute_dtype(self.device, self.weights_dtype, requested)
@@ -122,17 +133,19 @@ class ModelRunner:
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
                              f"max_position_embeddings {mc.max_position_embeddings}")
+        kv_heads = model.shape.num_kv_heads  # this rank's KV heads
         bytes_per_block = KVCache.bytes_per_block(
             num_layers=mc.num_hidden_layers, block_size=config.block_size,
-            num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim, dtype=model.dtype)
+            num_kv_heads=kv_heads, head_dim=mc.head_dim, dtype=model.dtype)
         if config.num_kv_blocks is not None and self.device.type != "cpu":
             self.num_kv_blocks = config.num_kv_blocks
         else:
             self.num_kv_blocks = num_kv_blocks(
                 self.device, bytes_per_block=bytes_per_block, memory_fraction=config.memory_fraction,
                 cpu_blocks=config.num_kv_blocks or DEFAULT_CPU_BLOCKS)
+        self.num_kv_blocks = parallel.all_reduce_min(self.num_kv_blocks)  # one block table serves every rank
         self.kv_cache = KVCache(num_layers=mc.num_hidden_layers, num_blocks=self.num_kv_blocks,
-                                block_size=config.block_size, num_kv_heads=mc.num_key_value_heads,
+                                block_size=config.block_size, num_kv_heads=kv_heads,
                                 head_dim=mc.head_dim, dtype=model.dtype, device=self.device)
         self.slots = SlotTable(max_num_seqs=config.max_num_seqs, num_blocks=self.num_kv_blocks,
                                block_size=config.block_size, max_model_len=self.max_model_len,
@@ -177,18 +190,25 @@ class ModelRunner:
         if b == 0:
             return
         logits = self.outputs.get_rows("logits", b, (self.vocab_size,), torch.float32)
-        self.model.compute_logits(hidden, out=logits)  # [B, V]
+        logits = self.model.compute_logits(hidden, out=logits)  # [B, V]; None on TP ranks > 0
         if not self.device_outputs:
-            result.logits, result.logits_shape, result.logits_dtype = encode_logits(logits, self.vocab_size)
+            if logits is not None:
+                result.logits, result.logits_shape, result.logits_dtype = encode_logits(logits, self.vocab_size)
             return
-        batch = SamplingBatch.build(inputs.sampling, inputs.sample_positions, self.device)
-        out = self.sampler(logits, batch)
-        self.last_tokens.index_copy_(0, inputs.sample_slots, out.token_ids.to(torch.int64))
+        if logits is not None:
+            batch = SamplingBatch.build(inputs.sampling, inputs.sample_positions, self.device)
+            out = self.sampler(logits, batch)
+            ids = out.token_ids  # [B] int32
+        else:
+            ids = self.outputs.get_rows("sampled_ids", b, (), torch.int32)  # filled by rank 0's broadcast
+        self.parallel.broadcast(ids, src=0)  # every rank keeps the same resident last tokens
+        self.last_tokens.index_copy_(0, inputs.sample_slots, ids.to(torch.int64))
         for w in inputs.work:
             w.state.has_resident = True
-        result.token_ids = out.token_ids.cpu().numpy().tobytes()  # the step's one host copy
-        result.logprobs = row_logprobs(out, batch)
         result.logits_shape = (b, 0)
+        if logits is not None:
+            result.token_ids = ids.cpu().numpy().tobytes()  # the step's one host copy
+            result.logprobs = row_logprobs(out, batch)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -228,6 +248,8 @@ class ModelRunner:
             "weights_dtype": str(self.weights_dtype).removeprefix("torch."),
             "device_outputs": self.device_outputs,
             "weights_fingerprint": self.weights_fingerprint,
+            "tensor_parallel_rank": self.parallel.rank,
+            "tensor_parallel_size": self.parallel.world_size,
         }
 
     def close(self) -> None:

@@ -4,6 +4,10 @@ Parameter names match Hugging Face checkpoints (`model.layers.0.self_attn.q_proj
 ...), so a checkpoint's state dict loads as is. One forward takes a flat batch of tokens
 that mixes prefill chunks and decode rows; how each token attends is described by an
 AttentionMetadata built once per step. The model knows nothing of plans, slots or Ray.
+
+Under tensor parallelism (workers/parallel.py) each module holds its rank's slice: this
+rank's heads in attention, its part of the MLP's intermediate dim, its rows of the vocab;
+o_proj and down_proj outputs are all-reduced, embed and logits do their vocab-parallel parts.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from torch import nn
 
 from workers.attention import AttentionMetadata, paged_attention
 from workers.kv_cache import KVCache
+from workers.parallel import SINGLE, ShardedShape, TensorParallel
 
 
 @dataclass(frozen=True)
@@ -84,10 +89,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, config: Qwen3Config) -> None:
+    def __init__(self, config: Qwen3Config, parallel: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        shape = ShardedShape.of(config, parallel)
+        self.parallel = parallel
+        self.num_heads = shape.num_heads  # this rank's heads
+        self.num_kv_heads = shape.num_kv_heads
         self.head_dim = config.head_dim
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
@@ -106,25 +113,28 @@ class Qwen3Attention(nn.Module):
         k = apply_rotary(k, cos, sin)
         kv_cache.write(layer, k, v, attn.slot_mapping)
         out = paged_attention(q, k, v, kv_cache, layer, attn)  # [T, H * D]
-        return self.o_proj(out)  # [T, hidden]
+        return self.parallel.all_reduce(self.o_proj(out))  # [T, hidden], summed over the ranks
 
 
 class Qwen3MLP(nn.Module):
-    def __init__(self, config: Qwen3Config) -> None:
+    def __init__(self, config: Qwen3Config, parallel: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.parallel = parallel
+        inter = ShardedShape.of(config, parallel).intermediate_size  # this rank's part
+        self.gate_proj = nn.Linear(config.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.parallel.all_reduce(out)  # summed over the ranks
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3Config) -> None:
+    def __init__(self, config: Qwen3Config, parallel: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.self_attn = Qwen3Attention(config)
-        self.mlp = Qwen3MLP(config)
+        self.self_attn = Qwen3Attention(config, parallel)
+        self.mlp = Qwen3MLP(config, parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -137,19 +147,21 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, config: Qwen3Config) -> None:
+    def __init__(self, config: Qwen3Config, parallel: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.embed_tokens = nn.Embedding(ShardedShape.of(config, parallel).vocab_rows, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, parallel) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class Qwen3ForCausalLM(nn.Module):
-    def __init__(self, config: Qwen3Config) -> None:
+    def __init__(self, config: Qwen3Config, parallel: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.config = config
-        self.model = Qwen3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.config = config  # the whole model's shape; the modules hold this rank's part
+        self.parallel = parallel
+        self.shape = ShardedShape.of(config, parallel)
+        self.model = Qwen3Model(config, parallel)
+        self.lm_head = nn.Linear(config.hidden_size, self.shape.vocab_rows, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float) / config.head_dim))
@@ -173,7 +185,15 @@ class Qwen3ForCausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> out [T, hidden], written in place."""
-        return torch.index_select(self.model.embed_tokens.weight, 0, input_ids, out=out)
+        weight = self.model.embed_tokens.weight
+        if not self.parallel.enabled:
+            return torch.index_select(weight, 0, input_ids, out=out)
+        # vocab-parallel: each rank looks up the ids it holds, zeros the rest; the sum is the lookup
+        local = input_ids - self.shape.vocab_start
+        outside = (local < 0) | (local >= self.shape.vocab_rows)  # [T]
+        torch.index_select(weight, 0, local.masked_fill(outside, 0), out=out)
+        out.masked_fill_(outside[:, None], 0)
+        return self.parallel.all_reduce(out)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 attn: AttentionMetadata) -> torch.Tensor:
@@ -185,9 +205,15 @@ class Qwen3ForCausalLM(nn.Module):
             hidden = layer(hidden, cos, sin, kv_cache, i, attn)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """hidden [B, hidden] -> out [B, V] (float32), V <= vocab_size: only the first V ids."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+        """hidden [B, hidden] -> out [B, V] (float32), V <= vocab_size: only the first V ids.
+        Vocab-parallel: each rank's rows are gathered to rank 0; other ranks return None."""
         h = self.model.norm(hidden)
+        if self.parallel.enabled:
+            parts = self.parallel.gather_to_first(torch.mm(h, self.lm_head.weight.t()))  # [B, V / world] each
+            if parts is None:
+                return None
+            return out.copy_(torch.cat(parts, dim=1)[:, : out.shape[1]])
         weight = self.lm_head.weight[: out.shape[1]]  # [V, hidden]
         if out.dtype == h.dtype:
             return torch.mm(h, weight.t(), out=out)
