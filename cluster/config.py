@@ -34,6 +34,8 @@ class EngineConfig:
     `pipeline_depth` 2 dispatches step N+1 before step N returns; 1 turns that off.
     `device_outputs` None reads RAYLM_DEVICE_OUTPUTS (unset or 1: sample on the
     worker; 0: return full logits and sample on the driver, for A/B benchmarks).
+    `tensor_parallel_size` ranks (one worker actor per device) make up each replica;
+    `num_replicas` such groups serve in data parallel.
     `accelerator_resource` overrides the Ray resource each worker asks one of
     (default: "NPU" for npu, "GPU" for cuda, none for cpu); tests set "NPU" with device
     "cpu" to exercise NPU placement on a machine without NPUs.
@@ -42,6 +44,7 @@ class EngineConfig:
     model: str | None = None
     device: str = "cpu"
     num_replicas: int = 1
+    tensor_parallel_size: int = 1
     dtype: str | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -73,6 +76,7 @@ class EngineConfig:
                 raise ValueError(f"dtype must be one of {DTYPES} or None, got {self.dtype!r}")
             self.dtype = dtype
         _int_at_least("num_replicas", self.num_replicas, 1)
+        _int_at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
         _int_at_least("block_size", self.block_size, 1)
         if self.num_kv_blocks is not None:
             _int_at_least("num_kv_blocks", self.num_kv_blocks, 2)

@@ -311,6 +311,14 @@ def parse_random_spec(spec: str) -> RandomModelSpec:
     return RandomModelSpec(name, **opts)
 
 
+def random_spec_config(spec: RandomModelSpec) -> Qwen3Config:
+    """The shape a parsed random spec names."""
+    shape = dict(RANDOM_SHAPES[spec.name])
+    if spec.layers is not None:
+        shape["num_hidden_layers"] = spec.layers
+    return Qwen3Config(**shape)
+
+
 def random_model(spec: str, dtype=None, device="cpu", parallel: TensorParallel = SINGLE) -> Qwen3ForCausalLM:
     """The model a random spec names (this rank's part); dtype None: the shape's own (bfloat16).
     Under TP the whole model is drawn on the CPU, so every rank slices the same weights."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+import time
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,16 @@ class TensorParallel:
         self.rank = rank
         self.world_size = world_size
         self.group = group  # a torch.distributed ProcessGroup; None for the single rank
+        # host time inside collectives (on the CPU the wait and the transfer; on accelerators,
+        # whose collectives are queued, only the launch): what bench_tp.py reports
+        self.collective_s = 0.0
+        self.num_collectives = 0
+
+    def _timed(self, op, *args, **kwargs) -> None:
+        t0 = time.perf_counter()
+        op(*args, group=self.group, **kwargs)
+        self.collective_s += time.perf_counter() - t0
+        self.num_collectives += 1
 
     @property
     def enabled(self) -> bool:
@@ -104,7 +115,7 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place; returns x."""
         if self.enabled:
-            torch.distributed.all_reduce(x, group=self.group)
+            self._timed(torch.distributed.all_reduce, x)
         return x
 
     def all_reduce_min(self, value: int) -> int:
@@ -122,7 +133,7 @@ class TensorParallel:
         if not self.enabled:
             return x
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        torch.distributed.all_gather(parts, x.contiguous(), group=self.group)
+        self._timed(torch.distributed.all_gather, parts, x.contiguous())
         return torch.cat(parts, dim=dim)
 
     def gather_to_first(self, x: torch.Tensor) -> list[torch.Tensor] | None:
@@ -131,13 +142,13 @@ class TensorParallel:
             return [x]
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.is_first else None
-        torch.distributed.gather(x, parts, dst=0, group=self.group)
+        self._timed(torch.distributed.gather, x, parts, dst=0)
         return parts
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank `src`'s x into x on every rank, in place; returns x."""
         if self.enabled:
-            torch.distributed.broadcast(x, src=src, group=self.group)
+            self._timed(torch.distributed.broadcast, x, src=src)
         return x
 
 

@@ -222,6 +222,7 @@ class ModelRunner:
         blocks = list(range((n + bs) // bs))  # room for n prompt tokens and one decode token
         greedy = WorkerSampling()
         steps, tokens = self.num_steps, self.num_tokens
+        collective = self.parallel.collective_s, self.parallel.num_collectives
         try:
             self.execute(StepPlan(step_id=-1, new_requests=[NewRequest(0, [0] * n, 0, blocks, greedy)],
                                   rows=[ScheduledRow(0, n)]))
@@ -232,6 +233,7 @@ class ModelRunner:
             self.slots.clear()
             self.last_tokens.zero_()
             self.num_steps, self.num_tokens = steps, tokens
+            self.parallel.collective_s, self.parallel.num_collectives = collective
 
     def stats(self) -> dict:
         return {
@@ -250,6 +252,8 @@ class ModelRunner:
             "weights_fingerprint": self.weights_fingerprint,
             "tensor_parallel_rank": self.parallel.rank,
             "tensor_parallel_size": self.parallel.world_size,
+            "collective_s": self.parallel.collective_s,
+            "collectives": self.parallel.num_collectives,
         }
 
     def close(self) -> None:
