@@ -1,12 +1,12 @@
 # The two commands a newcomer needs: `make run` and `make test`.
-# Each creates .venv on first use. torch is pinned first so pip takes the local
+# Every target below creates .venv on first use. torch is pinned first so pip takes the local
 # CPU wheel instead of pulling a multi-GB CUDA build.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: run test bench venv clean
+.PHONY: run test test-fast lint venv clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,8 +20,16 @@ venv: $(BIN)/.installed
 run: venv
 	$(BIN)/raylm generate "北京故宫是" --max-tokens 128
 
+# Everything, Ray included (under 10 minutes on 2 cores).
 test: venv
 	$(BIN)/python -m pytest -q tests
+
+# What needs no Ray: scheduler, workers, detokenizer, router, parsers (under a minute).
+test-fast: venv
+	$(BIN)/python -m pytest -q -m "not ray and not deploy and not multiprocess" tests
+
+lint: venv
+	$(BIN)/ruff check .
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from cluster.bench_runs import hf_model  # HF's Qwen3ForCausalLM on our very tensors
+from cluster.bench.hf_runs import hf_model  # HF's Qwen3ForCausalLM on our very tensors
 from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, WorkerSampling
 from workers.device import synchronize, torch_device
 from workers.loader import random_qwen3, resolve_dtype

@@ -51,14 +51,13 @@ def run(model: str, tp: int, threads: int, batch: int, prompt_len: int, new_toke
     with cluster.launch(model=model, tensor_parallel_size=tp, threads_per_worker=threads, num_kv_blocks=blocks,
                         max_model_len=max(256, prompt_len + new_tokens + 1), max_num_seqs=max(batch, 8)) as llm:
         llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm
-        rep = llm._engine.replicas[0]
         best = None
         for _ in range(repeats):
-            before, wb = llm.stats(), rep.worker_stats()
+            before, wb = llm.stats(), llm.worker_stats()[0]  # rank 0's runner
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params)
             wall = time.perf_counter() - t0
-            after, wa = llm.stats(), rep.worker_stats()
+            after, wa = llm.stats(), llm.worker_stats()[0]
             steps = wa["steps"] - wb["steps"]
             row = dict(
                 tokens_per_s=sum(len(o.token_ids) for o in outs) / wall,

@@ -18,8 +18,10 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from cluster.bench import _range
-from cluster.bench_runs import HF_RUNNERS, EngineSpec, hf_model, kv_blocks_for, make_workload, run_bare
+from cluster.bench.command import parse_range
+from cluster.bench.contenders import EngineSpec, run_bare
+from cluster.bench.hf_runs import HF_RUNNERS, hf_model
+from cluster.bench.workload import kv_blocks_for, make_workload
 from workers.device import set_cpu_threads
 from workers.loader import random_model
 
@@ -31,8 +33,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--num-requests", type=int, default=16)
-    ap.add_argument("--input-len", type=_range, default=(32, 256))
-    ap.add_argument("--output-len", type=_range, default=(32, 128))
+    ap.add_argument("--input-len", type=parse_range, default=(32, 256))
+    ap.add_argument("--output-len", type=parse_range, default=(32, 128))
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--systems", default="bare,hf-cb")

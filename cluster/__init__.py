@@ -59,7 +59,7 @@ def launch(model: str | None = None, device: str = "cpu", num_replicas: int = 1,
 
 def connect(name: str = "raylm", *, address: str | None = None, namespace: str = "raylm") -> LLMHandle:
     """A handle to an engine started by `raylm serve` (a named, detached actor)."""
-    from cluster.remote import RemoteEngine
+    from cluster.engine_client import EngineClient
 
     owns_ray = ensure_ray(address)
-    return LLMHandle(RemoteEngine.attach(name, namespace), owns_ray=owns_ray)
+    return LLMHandle(EngineClient.attach(name, namespace), owns_ray=owns_ray)

@@ -79,7 +79,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     import uvicorn
 
     import cluster
-    from cluster.remote import RemoteEngine, launch_detached
+    from cluster.engine_actor import launch_detached
+    from cluster.engine_client import EngineClient
     from cluster.server import ServerState, build_app
 
     cfg = cluster.EngineConfig.from_kwargs(**_engine_kwargs(a))
@@ -91,7 +92,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     def wait_until_loaded() -> None:
         try:
             ray.get(started)
-            state.handle = cluster.LLMHandle(RemoteEngine.attach(a.name))
+            state.handle = cluster.LLMHandle(EngineClient.attach(a.name))
             log.info("engine %r loaded; serving on http://%s:%d", a.name, a.host, a.port)
         except Exception as e:  # /health says why
             state.startup_error = f"engine failed to start: {e}"
@@ -133,9 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body-bytes", type=int, default=1 << 20)
     s.set_defaults(func=cmd_serve)
 
-    from cluster import bench
+    from cluster.bench import add_parser as add_bench_parser  # the CLI is the one importer of cluster.bench
 
-    bench.add_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 
 from cluster.config import EngineConfig
 from cluster.detokenizer import IncrementalDetokenizer
-from cluster.errors import EngineDeadError, EngineOverloadedError
+from cluster.errors import EngineOverloadedError
 from cluster.metrics import EngineMetrics
 from cluster.outputs import RequestMetrics, RequestOutput, StreamDelta, TokenLogprob
 from cluster.placement import create_replica_groups, default_threads, release, worker_resources
 from cluster.replica import Replica
+from cluster.router import Router
 from cluster.stream import RequestStream
 from scheduler.request import FinishReason, Request, SamplingParams
 
@@ -52,13 +53,22 @@ class Engine:
         self.device_outputs = True
         self.started_at = time.time()
         self.metrics = EngineMetrics(self.stats)
+        self._router = Router(prefix_caching=config.enable_prefix_caching,
+                              max_num_batched_tokens=config.max_num_batched_tokens)
 
     # ---- lifecycle ----
     def start(self) -> "Engine":
-        from workers.loader import (bundled_model_path, eos_token_ids, is_random_spec, load_config, load_tokenizer,
-                                    parse_random_spec, random_spec_config)
-        from workers.outputs import device_outputs_enabled
+        from workers.loader import (
+            bundled_model_path,
+            eos_token_ids,
+            is_random_spec,
+            load_config,
+            load_tokenizer,
+            parse_random_spec,
+            random_spec_config,
+        )
         from workers.parallel import check_shardable
+        from workers.runner_config import device_outputs_enabled
 
         cfg = self.config
         self.model_path = cfg.model or bundled_model_path()
@@ -163,7 +173,7 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids)
-        replica = self._route(ids)
+        replica = self._router.pick(self.replicas, ids)
         if replica.num_waiting() >= self.config.max_waiting_requests:
             raise EngineOverloadedError(
                 f"too many waiting requests ({self.config.max_waiting_requests} on replica {replica.index}); retry later")
@@ -190,25 +200,6 @@ class Engine:
                 return False
             self._finalize(st, FinishReason.ABORT)
         return True
-
-    def _route(self, token_ids: list[int]) -> Replica:
-        """Fewest outstanding tokens, preferring a replica that holds the prompt's prefix."""
-        alive = [r for r in self.replicas if not r.dead]
-        if not alive:
-            raise EngineDeadError("no replica is serving: every worker failed beyond its restart budget")
-        if len(alive) == 1:
-            return alive[0]
-        load = {r: r.load() for r in alive}
-        least = min(alive, key=lambda r: (load[r], r.index))
-        if self.config.enable_prefix_caching:
-            cached = {r: r.cached_prefix_tokens(token_ids) for r in alive}
-            best = max(cached.values())
-            if best > 0:
-                holder = min((r for r in alive if cached[r] == best), key=lambda r: (load[r], r.index))
-                # Take the prefix unless that replica is a whole batch of work behind.
-                if load[holder] - load[least] <= self.config.max_num_batched_tokens + best:
-                    return holder
-        return least
 
     # ---- outputs (replica thread, under replica.lock) ----
     def _on_updates(self, replica: Replica, updates) -> None:
@@ -271,6 +262,11 @@ class Engine:
     def metrics_text(self) -> bytes:
         """Prometheus exposition text."""
         return self.metrics.render()
+
+    def worker_stats(self) -> list[dict]:
+        """Per replica, its worker: where it runs (pid, node, device) and what it computes
+        (dtype, weights fingerprint, KV blocks). One call to each worker."""
+        return [{**r.info, **r.worker_stats()} for r in self.replicas]
 
     def stats(self) -> dict:
         reps = [r.snapshot() for r in self.replicas]

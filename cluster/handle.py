@@ -15,7 +15,7 @@ Prompt = str | list[int]
 
 class LLMHandle:
     def __init__(self, engine, *, owns_ray: bool = False):
-        self._engine = engine  # cluster.engine.Engine or cluster.remote.RemoteEngine
+        self._engine = engine  # cluster.engine.Engine or cluster.engine_client.EngineClient
         self._owns_ray = owns_ray
         self._closed = False
 
@@ -100,6 +100,11 @@ class LLMHandle:
 
     def stats(self) -> dict:
         return self._engine.stats()
+
+    def worker_stats(self) -> list[dict]:
+        """Per replica, its worker: pid, node and device it runs on, compute dtype, weights
+        fingerprint, KV blocks. Asks every worker (unlike `stats`, which the driver answers)."""
+        return self._engine.worker_stats()
 
     def metrics_text(self) -> bytes:
         """The engine's Prometheus metrics, in the text exposition format."""

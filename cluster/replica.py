@@ -30,7 +30,7 @@ from cluster.placement import release, scheduling_strategy
 from scheduler.protocol import StepResult, pack_int32, sampled_on_device
 from scheduler.request import Request
 from scheduler.scheduler import RequestUpdate, Scheduler, SchedulerConfig
-from workers.actor import RemoteWorker
+from workers.actor import remote_worker
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class Replica:
     def _start_worker(self) -> dict:
         cfg = self.config
         tp = cfg.tensor_parallel_size
-        workers = [RemoteWorker.options(
+        workers = [remote_worker().options(
             num_cpus=self._resources.num_cpus,
             resources={self._resources.accelerator: 1} if self._resources.accelerator else None,
             scheduling_strategy=scheduling_strategy(self._pg, rank),

@@ -109,10 +109,12 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass
-class TokenLogprobs:
+class SampleLogprobs:
     """Logprobs of one generated token: its own, and the top-n tokens' (n = params.logprobs).
 
-    Values are natural-log probabilities from the model's raw distribution.
+    Values are natural-log probabilities from the model's raw distribution. One type per
+    layer: the wire carries RowLogprobs (scheduler/protocol.py), the scheduler keeps these
+    (ids only), callers get cluster.TokenLogprob (ids with their text).
     """
 
     token_id: int
@@ -133,7 +135,7 @@ class Request:
 
     output_token_ids: list[int] = field(default_factory=list)
     # parallel to output_token_ids when params.logprobs is not None, else empty
-    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    output_logprobs: list[SampleLogprobs] = field(default_factory=list)
     # tokens whose K/V is computed or being computed by a dispatched step (this admission)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -193,7 +195,7 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def append_output(self, token: int, logprobs: list[TokenLogprobs], now: float,
+    def append_output(self, token: int, logprobs: list[SampleLogprobs], now: float,
                       max_total_tokens: int) -> FinishReason | None:
         """Append one generated token (and its logprobs, [] or [one]); returns why the
         request stops after it, or None. Cheap when the token cannot stop it."""
@@ -243,3 +245,13 @@ class Request:
         if n < 2 or self.first_token_time is None or self.last_token_time is None:
             return None
         return (self.last_token_time - self.first_token_time) / (n - 1)
+
+
+@dataclass
+class RequestUpdate:
+    """What one Scheduler.update() did to one request: the scheduler's output."""
+
+    request: Request
+    new_token_ids: list[int]  # appended by this update
+    new_logprobs: list[SampleLogprobs] = field(default_factory=list)  # parallel, when asked for
+    finished: bool = False

@@ -20,10 +20,10 @@ from bisect import insort
 from collections import deque
 
 from scheduler.blocks import BlockManager
-from scheduler.config import RequestUpdate, SchedulerConfig
+from scheduler.scheduler_config import SchedulerConfig
 from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, StepResult, WorkerSampling
-from scheduler.request import FinishReason, Request, RequestStatus, TokenLogprobs
-from scheduler.slots import SlotPool
+from scheduler.request import FinishReason, Request, RequestStatus, RequestUpdate, SampleLogprobs
+from scheduler.slot_pool import SlotPool
 from scheduler.step import Step
 from scheduler.waiting import WaitingQueue
 
@@ -232,7 +232,7 @@ class Scheduler:
             new_logprobs = []
             if req.params.logprobs is not None:
                 lp = logprobs[k]
-                new_logprobs = [TokenLogprobs(token, lp.sampled, lp.top_ids, lp.top_logprobs)]
+                new_logprobs = [SampleLogprobs(token, lp.sampled, lp.top_ids, lp.top_logprobs)]
             reason = req.append_output(token, new_logprobs, now, max_len)
             if reason is not None:
                 self._finish(req, reason, now)

@@ -1,22 +1,28 @@
 """WorkerActor: a thin Ray shell around ModelRunner. The only module in workers/ that
 imports ray. Everything it receives and returns is msgpack bytes or plain dicts.
 
+Replicas start the class `remote_worker()` returns: WorkerActor, or a subclass that the
+RAYLM_WORKER_ACTOR environment variable names as "module:Class". Only tests set it (their
+fault-injecting worker lives under tests/); production code has no fault hooks.
+
 Under tensor parallelism a replica's ranks are actors like this one: the driver asks rank 0
 for a rendezvous address, then starts every rank with its ParallelConfig; each step every
 rank gets the same plan bytes and only rank 0 returns a result (the others return b"")."""
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 import socket
-import time
 
 import ray
 
 from scheduler.protocol import StepPlan
 from workers.device import set_cpu_threads, visible_devices_env
 from workers.parallel import SINGLE, ParallelConfig, TensorParallel, free_port
-from workers.runner import ModelRunner, RunnerConfig
+from workers.runner import ModelRunner
+from workers.runner_config import RunnerConfig
 
 
 class WorkerActor:
@@ -25,8 +31,6 @@ class WorkerActor:
     def __init__(self) -> None:
         self.runner: ModelRunner | None = None
         self.parallel: TensorParallel = SINGLE
-        self._fault: dict | None = None
-        self._steps = 0
 
     def rendezvous(self) -> tuple[str, int]:
         """(address, free port) where this actor, as rank 0, will host its group's rendezvous."""
@@ -56,9 +60,6 @@ class WorkerActor:
         }
 
     def execute(self, plan_bytes: bytes) -> bytes:  # StepPlan bytes -> StepResult bytes
-        self._steps += 1
-        if self._fault is not None and self._steps >= self._fault["at_step"]:
-            self._trigger_fault()
         result = self.runner.execute(StepPlan.from_bytes(plan_bytes))
         return result.to_bytes() if self.parallel.is_first else b""  # only rank 0's result is pulled
 
@@ -68,22 +69,6 @@ class WorkerActor:
     def stats(self) -> dict:
         return self.runner.stats() if self.runner is not None else {}
 
-    def arm_fault(self, kind: str, after_steps: int = 0, seconds: float = 0.0) -> None:
-        """Testing hook: make a later step fail. kind "exit" ends the process inside the
-        step; "sleep" makes the step hang for `seconds`; "raise" raises from the step."""
-        if kind not in ("exit", "sleep", "raise"):
-            raise ValueError(f"fault kind must be 'exit', 'sleep' or 'raise', got {kind!r}")
-        self._fault = {"kind": kind, "at_step": self._steps + 1 + after_steps, "seconds": seconds}
-
-    def _trigger_fault(self) -> None:
-        fault, self._fault = self._fault, None
-        if fault["kind"] == "exit":
-            os._exit(1)
-        if fault["kind"] == "sleep":
-            time.sleep(fault["seconds"])
-        else:
-            raise RuntimeError("injected worker fault")
-
     def shutdown(self) -> None:
         if self.runner is not None:
             self.runner.close()
@@ -92,5 +77,26 @@ class WorkerActor:
         ray.actor.exit_actor()
 
 
-# Restarts are the engine's job (it must rebuild scheduler state), so Ray's are off.
-RemoteWorker = ray.remote(max_restarts=0, max_task_retries=0)(WorkerActor)
+WORKER_ACTOR_ENV = "RAYLM_WORKER_ACTOR"
+
+
+@functools.cache
+def _as_remote(cls: type):
+    # Restarts are the engine's job (it must rebuild scheduler state), so Ray's are off.
+    return ray.remote(max_restarts=0, max_task_retries=0)(cls)
+
+
+def remote_worker():
+    """The Ray actor class a replica starts: WorkerActor unless RAYLM_WORKER_ACTOR names a
+    subclass ("module:Class"; importable by the driver and the workers)."""
+    path = os.environ.get(WORKER_ACTOR_ENV)
+    if not path:
+        return _as_remote(WorkerActor)
+    module, _, name = path.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), name, None) if name else None
+    except ImportError as e:
+        raise ValueError(f"{WORKER_ACTOR_ENV}={path!r}: cannot import {module!r}: {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, WorkerActor)):
+        raise ValueError(f"{WORKER_ACTOR_ENV} must name a WorkerActor subclass as module:Class, got {path!r}")
+    return _as_remote(cls)

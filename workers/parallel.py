@@ -89,7 +89,7 @@ class TensorParallel:
         return self.rank == 0
 
     @classmethod
-    def join(cls, config: ParallelConfig, device_kind: str) -> "TensorParallel":
+    def join(cls, config: ParallelConfig, device_kind: str) -> TensorParallel:
         """Join the group `config` describes (blocks until every rank has joined)."""
         if config.world_size == 1:
             return SINGLE
@@ -191,7 +191,7 @@ class ShardedShape:
     vocab_start: int  # the first vocab id this rank holds
 
     @classmethod
-    def of(cls, config, parallel: TensorParallel) -> "ShardedShape":
+    def of(cls, config, parallel: TensorParallel) -> ShardedShape:
         w, r = parallel.world_size, parallel.rank
         if w == 1:
             return cls(config.num_attention_heads, config.num_key_value_heads, config.intermediate_size,

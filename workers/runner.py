@@ -17,74 +17,26 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
 from scheduler.protocol import NewRequest, ScheduledRow, StepPlan, StepResult, USE_RESIDENT, WorkerSampling
-from workers.device import KINDS, compute_dtype, num_kv_blocks, set_cpu_threads, synchronize, torch_device
+from workers.device import compute_dtype, num_kv_blocks, set_cpu_threads, synchronize, torch_device
 from workers.kv_cache import KVCache
-from workers.loader import (DTYPES, bundled_model_path, cast_model, is_random_spec, load_config, load_model,
-                            load_tokenizer, parse_random_spec, random_model, resolve_dtype, weights_fingerprint)
+from workers.loader import (bundled_model_path, cast_model, is_random_spec, load_config, load_model,
+                            load_tokenizer, random_model, resolve_dtype, weights_fingerprint)
+from workers.logits_codec import encode_logits
 from workers.models.qwen3 import Qwen3ForCausalLM
-from workers.outputs import ResidentOutputs, device_outputs_enabled, encode_logits
 from workers.parallel import SINGLE, TensorParallel
+from workers.resident import ResidentOutputs
+from workers.runner_config import RunnerConfig, device_outputs_enabled
 from workers.sampler import Sampler, SamplingBatch, row_logprobs
-from workers.slots import SlotTable
+from workers.slot_table import SlotTable
 from workers.step_inputs import build_step_inputs
 
 DEFAULT_CPU_BLOCKS = 512
 
 log = logging.getLogger(__name__)
-
-
-def _positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-@dataclass
-class RunnerConfig:
-    model: str | None = None  # checkpoint dir or "random:qwen3-0.6b?layers=N&seed=S"; None -> the bundled tiny model
-    device: str = "cpu"  # "cpu" | "cuda" | "npu"
-    device_index: int | None = None
-    dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None -> device.compute_dtype (the weights'
-    # own, except bf16/fp16 weights on a CPU without native half matmuls: float32)
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # CPU: the pool size (default 512); accelerators: None -> memory_fraction
-    memory_fraction: float = 0.9
-    max_num_seqs: int = 64  # number of slots
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None -> the model's max_position_embeddings
-    device_outputs: bool | None = None  # None -> RAYLM_DEVICE_OUTPUTS (default on)
-    seed: int = 0  # for unseeded sampling
-    num_threads: int | None = None  # torch.set_num_threads on the CPU when given
-
-    def __post_init__(self) -> None:
-        if self.model is not None and not isinstance(self.model, str):
-            raise ValueError(f"model must be a checkpoint directory or None, got {self.model!r}")
-        if is_random_spec(self.model):
-            parse_random_spec(self.model)  # raises ValueError naming what is wrong
-        if self.device not in KINDS:
-            raise ValueError(f"device must be one of {', '.join(KINDS)}, got {self.device!r}")
-        if self.device_index is not None and (not isinstance(self.device_index, int)
-                                              or isinstance(self.device_index, bool) or self.device_index < 0):
-            raise ValueError(f"device_index must be an integer >= 0 or None, got {self.device_index!r}")
-        if self.dtype is not None and str(self.dtype).lower() not in DTYPES:
-            raise ValueError(f"dtype must be float32, bfloat16, float16 or None, got {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if not _positive_int(getattr(self, name)):
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("num_kv_blocks", "max_model_len", "num_threads"):
-            value = getattr(self, name)
-            if value is not None and not _positive_int(value):
-                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        f = self.memory_fraction
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
-            raise ValueError(f"memory_fraction must be in (0, 1], got {f!r}")
-        if self.device_outputs is not None and not isinstance(self.device_outputs, bool):
-            raise ValueError(f"device_outputs must be a bool or None, got {self.device_outputs!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
 
 @functools.lru_cache(maxsize=8)

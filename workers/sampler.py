@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from scheduler.protocol import RowLogprobs, StepResult, WorkerSampling
-from workers.outputs import ResidentOutputs, logits_tensor
+from workers.logits_codec import logits_tensor
+from workers.resident import ResidentOutputs
 
 MAX_LOGPROBS = 20
 SAMPLING_EPS = 1e-5  # temperatures below this are treated as greedy (1/T would overflow)

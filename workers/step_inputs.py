@@ -14,7 +14,7 @@ import torch
 
 from scheduler.protocol import USE_RESIDENT, WorkerSampling
 from workers.attention import AttentionMetadata, PrefillChunk
-from workers.slots import RowWork
+from workers.slot_table import RowWork
 
 
 @dataclass

@@ -1,83 +1,21 @@
-"""An engine as a named, detached Ray actor, and the client side that `connect()` uses.
+"""EngineClient: the client side of an EngineActor, what `connect()` hands to LLMHandle.
 
-EngineActor wraps an Engine inside an async actor (`raylm serve` starts one);
-RemoteEngine gives LLMHandle the same methods a local Engine has, so a connected handle
-generates, streams, chats and reports stats like a launched one. Requests go in with
-`submit` (bad input raises right there) and their deltas come back through `follow`, a
-Ray streaming generator.
+EngineClient gives LLMHandle the same methods a local Engine has, so a connected handle
+generates, streams, chats and reports stats like a launched one. Requests go in with the
+actor's `submit` (bad input raises right there) and their deltas come back through
+`follow`, a Ray streaming generator, read by a RemoteStream.
 """
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 
 import ray
 from ray.exceptions import RayTaskError
 
 from cluster.config import EngineConfig
+from cluster.engine_actor import NAMESPACE
 from cluster.outputs import RequestOutput
-
-NAMESPACE = "raylm"
-
-
-class EngineActor:
-    def __init__(self, config: dict):
-        from cluster.engine import Engine
-
-        self.engine = Engine(EngineConfig(**config))
-        self._streams: dict = {}
-        self._ready = False
-
-    async def start(self) -> dict:
-        await asyncio.get_running_loop().run_in_executor(None, self.engine.start)
-        self._ready = True
-        return self.info()
-
-    def ready(self) -> bool:
-        return self._ready
-
-    def info(self) -> dict:
-        e = self.engine
-        return {"config": e.config.to_dict(), "model_path": e.model_path, "max_model_len": e.max_model_len,
-                "vocab_size": e.vocab_size, "ready": self._ready}
-
-    async def submit(self, prompt, params, request_id: str) -> str:
-        if not self._ready:
-            raise RuntimeError("the engine is still loading")
-        self._streams[request_id] = self.engine.add_request(prompt, params, request_id, asyncio.get_running_loop())
-        return request_id
-
-    async def follow(self, request_id: str):
-        stream = self._streams.get(request_id)
-        if stream is None:
-            raise ValueError(f"no request {request_id!r} to follow")
-        try:
-            async for delta in stream:
-                yield delta
-        finally:
-            self._streams.pop(request_id, None)
-            if stream.output is None:  # the follower went away: stop generating for nobody
-                self.engine.abort(request_id)
-
-    def abort(self, request_id: str) -> bool:
-        return self.engine.abort(request_id)
-
-    def stats(self) -> dict:
-        return self.engine.stats()
-
-    def metrics_text(self) -> bytes:
-        return self.engine.metrics_text()
-
-    def apply_chat_template(self, messages) -> str:
-        return self.engine.apply_chat_template(messages)
-
-    def shutdown(self) -> None:
-        self.engine.shutdown()
-        ray.actor.exit_actor()
-
-
-RemoteEngineActor = ray.remote(num_cpus=0, max_concurrency=1000, max_restarts=0)(EngineActor)
 
 
 def _cause(e: RayTaskError) -> BaseException:
@@ -140,7 +78,9 @@ class RemoteStream:
         return self.output
 
 
-class RemoteEngine:
+class EngineClient:
+    """A connected engine: every call is a Ray call to its EngineActor."""
+
     def __init__(self, actor, info: dict):
         self._actor = actor
         self.info = info
@@ -151,7 +91,7 @@ class RemoteEngine:
         self._tokenizer = None
 
     @classmethod
-    def attach(cls, name: str, namespace: str = NAMESPACE) -> "RemoteEngine":
+    def attach(cls, name: str, namespace: str = NAMESPACE) -> "EngineClient":
         try:
             actor = ray.get_actor(name, namespace=namespace)
         except ValueError:
@@ -182,6 +122,9 @@ class RemoteEngine:
     def stats(self) -> dict:
         return _get(self._actor.stats.remote())
 
+    def worker_stats(self) -> list[dict]:
+        return _get(self._actor.worker_stats.remote())
+
     def metrics_text(self) -> bytes:
         return _get(self._actor.metrics_text.remote())
 
@@ -193,15 +136,3 @@ class RemoteEngine:
             _get(self._actor.shutdown.remote())
         except ray.exceptions.RayActorError:
             pass  # exit_actor ends the call this way
-
-
-def launch_detached(config: EngineConfig, name: str, namespace: str = NAMESPACE, timeout_s: float = 900.0):
-    """Start a named, detached EngineActor and wait until its model is loaded."""
-    try:
-        ray.get_actor(name, namespace=namespace)
-    except ValueError:
-        pass
-    else:
-        raise ValueError(f"an engine named {name!r} already runs in namespace {namespace!r}")
-    actor = RemoteEngineActor.options(name=name, namespace=namespace, lifetime="detached").remote(config.to_dict())
-    return actor, actor.start.remote()

@@ -25,7 +25,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     from ray.scripts.scripts import start as ray_start_command
 
-CLUSTER_YAML = Path(__file__).resolve().parents[1] / "deploy" / "ascend-cluster.yaml"
+CLUSTER_YAML = Path(__file__).resolve().parents[2] / "deploy" / "ascend-cluster.yaml"
 
 
 def load_config() -> dict:

@@ -59,7 +59,7 @@ def test_hash_chain_depends_on_parent_and_tokens():
 
 def test_hash_is_stable_across_processes():
     code = "from scheduler.blocks import hash_block, ROOT_HASH; print(hash_block(ROOT_HASH, [1, 2, 3]).hex())"
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root,
                            env={**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(root)}).stdout
             for seed in ("1", "2")}

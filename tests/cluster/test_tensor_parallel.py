@@ -42,6 +42,7 @@ def _wait_for_tokens(llm, n, timeout=120):
         time.sleep(0.01)
 
 
+@pytest.mark.timeout(600)
 def test_tp2_replica_matches_hf_and_pulls_the_same_bytes(ray_session, expected):
     stats = {}
     for tp in (1, 2):
@@ -59,7 +60,8 @@ def test_tp2_replica_matches_hf_and_pulls_the_same_bytes(ray_session, expected):
     assert stats[2]["bytes_pulled_per_decode_step"] == stats[1]["bytes_pulled_per_decode_step"] > 0
 
 
-def test_a_rank_that_dies_raises_or_hangs_is_rebuilt_with_the_same_outputs(ray_session, expected):
+@pytest.mark.timeout(900)  # four engine starts of two actors each
+def test_a_rank_that_dies_raises_or_hangs_is_rebuilt_with_the_same_outputs(ray_session, expected, faulty_workers):
     with cluster.launch(num_kv_blocks=64, threads_per_worker=1, tensor_parallel_size=2, step_timeout_s=15.0) as llm:
         rep = llm._engine.replicas[0]
         clean_seeded = [o.token_ids for o in llm.generate(PROMPTS, SEEDED)]
@@ -90,11 +92,12 @@ def test_tp_that_does_not_divide_the_heads_is_refused_before_any_actor_starts(ra
         cluster.launch(tensor_parallel_size=0)
 
 
+@pytest.mark.timeout(900)  # a Ray of its own and four actors
 def test_two_replicas_of_tp2_take_one_faked_npu_per_rank(expected):
     root = Path(__file__).resolve().parent.parent
     tok = load_tokenizer(bundled_model_path())
     ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
-    proc = subprocess.run([sys.executable, "-m", "tests.tp_four_npus"], input=json.dumps([ids, N]), cwd=root,
+    proc = subprocess.run([sys.executable, "-m", "tests.cluster.tp_four_npus"], input=json.dumps([ids, N]), cwd=root,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])

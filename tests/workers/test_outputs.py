@@ -9,14 +9,9 @@ import pytest
 import torch
 
 from scheduler.protocol import StepResult, sampled_on_device
-from workers.outputs import (
-    ENV_DEVICE_OUTPUTS,
-    ResidentOutputs,
-    bucket,
-    device_outputs_enabled,
-    encode_logits,
-    logits_tensor,
-)
+from workers.logits_codec import encode_logits, logits_tensor
+from workers.resident import ResidentOutputs, bucket
+from workers.runner_config import ENV_DEVICE_OUTPUTS, device_outputs_enabled
 
 DEVICES = [
     "cpu",

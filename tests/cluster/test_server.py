@@ -14,7 +14,7 @@ import pytest
 
 import cluster
 from cluster import SamplingParams
-from cluster.remote import launch_detached
+from cluster.engine_actor import launch_detached
 from cluster.server import ServerState, build_app
 
 pytestmark = pytest.mark.ray

@@ -1,10 +1,8 @@
-"""SchedulerConfig and RequestUpdate: what goes into and comes out of the Scheduler."""
+"""SchedulerConfig: one replica's scheduling limits."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from scheduler.request import Request, TokenLogprobs
+from dataclasses import dataclass
 
 
 def _is_int(x) -> bool:
@@ -41,13 +39,3 @@ class SchedulerConfig:
         """Longest a request may grow: max_model_len, or what the whole pool can hold
         (a token at position p needs K/V for positions 0..p-1)."""
         return min(self.max_model_len, self.num_blocks * self.block_size + 1)
-
-
-@dataclass
-class RequestUpdate:
-    """What one update() did to one request."""
-
-    request: Request
-    new_token_ids: list[int]  # appended by this update
-    new_logprobs: list[TokenLogprobs] = field(default_factory=list)  # parallel, when asked for
-    finished: bool = False

@@ -10,10 +10,19 @@ import torch
 
 from scheduler.protocol import WorkerSampling
 from tests import oracle
-from tests.tp_ranks import job, run_ranks
+from tests.workers.tp_ranks import job, run_ranks
 from workers.loader import bundled_model_path, load_config, load_model
 from workers.models.qwen3 import Qwen3Config
 from workers.parallel import SINGLE, ShardedShape, TensorParallel, check_shardable, padded_vocab, shard_of
+
+SPAWNS = (pytest.mark.multiprocess, pytest.mark.timeout(900))  # the first test waits for `runs`: minutes
+
+
+def _marks(fn):
+    for m in SPAWNS:
+        fn = m(fn)
+    return fn
+
 
 PROMPTS = [[5, 100, 200, 1000, 7, 9, 11], [42, 43, 44], list(range(1, 19))]
 NEW = 12
@@ -50,24 +59,28 @@ def runs(odd_model):
     return {tp: run_ranks(tp, jobs) for tp in (1, 2)}
 
 
+@_marks
 def test_tp2_greedy_matches_tp1_and_hf_on_the_tiny_model(runs):
     expected = oracle.hf_greedy(bundled_model_path(), PROMPTS, NEW)
     assert runs[2][0][0] == expected
     assert runs[1][0][0] == expected
 
 
+@_marks
 def test_tp2_greedy_matches_hf_with_untied_embeddings_gqa_and_a_wide_head_dim(runs, odd_model):
     expected = oracle.hf_greedy(odd_model, PROMPTS, NEW)
     assert runs[2][1][0] == expected
     assert runs[1][1][0] == expected
 
 
+@_marks
 def test_seeded_sampling_is_the_same_for_every_tp_size(runs):
     assert runs[2][2][0] == runs[1][2][0]
     assert runs[2][3][0] == runs[1][3][0]
     assert len({tuple(o) for o in runs[1][2][0]}) == len(PROMPTS)  # seeds differ: outputs differ
 
 
+@_marks
 def test_each_rank_holds_half_the_kv_pool(runs):
     one, two = runs[1][0][1], runs[2][0][1]
     assert two["tensor_parallel_size"] == 2 and two["tensor_parallel_rank"] == 0

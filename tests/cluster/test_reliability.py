@@ -13,6 +13,7 @@ import pytest
 import cluster
 from cluster import EngineOverloadedError, SamplingParams
 from scheduler.protocol import ProtocolError, StepPlan, StepResult
+from tests.cluster.faults import arm_fault
 from tests.oracle import hf_greedy
 from workers.loader import bundled_model_path, eos_token_ids, load_tokenizer
 
@@ -63,12 +64,12 @@ def test_killed_worker_is_replaced_and_outputs_are_unchanged(ray_session, expect
 
 
 @pytest.mark.parametrize("kind", ["exit", "raise"])
-def test_worker_failing_inside_a_step_recovers_greedy_and_seeded(ray_session, expected, kind):
+def test_worker_failing_inside_a_step_recovers_greedy_and_seeded(ray_session, faulty_workers, expected, kind):
     with cluster.launch(num_kv_blocks=64, threads_per_worker=1) as llm:
         clean_seeded = [o.token_ids for o in llm.generate(PROMPTS, SEEDED)]
-        ray_session.get(llm._engine.replicas[0].worker.arm_fault.remote(kind, after_steps=4))
+        arm_fault(llm, kind, after_steps=4)
         greedy = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-        ray_session.get(llm._engine.replicas[0].worker.arm_fault.remote(kind, after_steps=6))
+        arm_fault(llm, kind, after_steps=6)
         seeded = [o.token_ids for o in llm.generate(PROMPTS, SEEDED)]
         stats = llm.stats()
     assert greedy == expected
@@ -76,10 +77,10 @@ def test_worker_failing_inside_a_step_recovers_greedy_and_seeded(ray_session, ex
     assert stats["worker_restarts"] == 2
 
 
-def test_hung_worker_is_detected_by_the_step_timeout(ray_session, expected):
+def test_hung_worker_is_detected_by_the_step_timeout(ray_session, faulty_workers, expected):
     with cluster.launch(num_kv_blocks=64, threads_per_worker=1, step_timeout_s=3.0) as llm:
         llm.generate("warm", SamplingParams(max_tokens=2))  # compile/warm paths outside the timed window
-        ray_session.get(llm._engine.replicas[0].worker.arm_fault.remote("sleep", after_steps=3, seconds=600))
+        arm_fault(llm, "sleep", after_steps=3, seconds=600)
         t0 = time.monotonic()
         outs = llm.generate(PROMPTS, GREEDY)
         elapsed = time.monotonic() - t0
@@ -89,10 +90,10 @@ def test_hung_worker_is_detected_by_the_step_timeout(ray_session, expected):
     assert elapsed < 60
 
 
-def test_after_the_restart_budget_requests_fail_and_other_replicas_serve(ray_session):
+def test_after_the_restart_budget_requests_fail_and_other_replicas_serve(ray_session, faulty_workers):
     with cluster.launch(num_replicas=2, num_kv_blocks=64, threads_per_worker=1, max_worker_restarts=1) as llm:
         rep0 = llm._engine.replicas[0]
-        ray_session.get(rep0.worker.arm_fault.remote("exit", after_steps=2))
+        arm_fault(llm, "exit", after_steps=2, replica=0)
         long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
         streams = [llm._engine.add_request(p, long) for p in PROMPTS]
         on_rep0 = [s for s, p in zip(streams, PROMPTS) if llm._engine._requests[s.request_id].replica is rep0]
@@ -202,11 +203,11 @@ def test_http_overload_is_429_in_openai_error_json(ray_session):
     assert all(r.json()["usage"]["completion_tokens"] == 20 for r in responses if r.status_code == 200)
 
 
-def test_with_no_replica_left_requests_fail_and_new_ones_are_refused(ray_session):
+def test_with_no_replica_left_requests_fail_and_new_ones_are_refused(ray_session, faulty_workers):
     from cluster import EngineDeadError
 
     with cluster.launch(num_kv_blocks=32, threads_per_worker=1, max_worker_restarts=0) as llm:
-        ray_session.get(llm._engine.replicas[0].worker.arm_fault.remote("exit", after_steps=1))
+        arm_fault(llm, "exit", after_steps=1)
         out = llm.generate("Hello", SamplingParams(max_tokens=8))
         with pytest.raises(EngineDeadError):
             llm.generate("Hello", SamplingParams(max_tokens=8))

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from scheduler.protocol import StepResult, WorkerSampling as W
-from workers.outputs import ResidentOutputs, encode_logits
+from workers.logits_codec import encode_logits
+from workers.resident import ResidentOutputs
 from workers.sampler import Sampler, SamplingBatch, row_logprobs, sample_host
 
 DEVICES = [

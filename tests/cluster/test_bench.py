@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import cluster
-from cluster import bench, bench_runs
+from cluster.bench.figures import percentile
+from cluster.bench.workload import make_workload
 from cluster.cli import main as cli_main
 from scheduler.request import SamplingParams
 from workers.device import compute_dtype
@@ -45,7 +46,7 @@ def _check_figures(fig: dict, wl: dict) -> None:
 
 def test_offline_compare_and_device_outputs_ab(ray_session, tmp_path):
     out = tmp_path / "bench.json"
-    rc = bench.main(["--model", RANDOM_1L, "--num-requests", "3", "--input-len", "4:12", "--output-len", "2:5",
+    rc = cli_main(["bench", "--model", RANDOM_1L, "--num-requests", "3", "--input-len", "4:12", "--output-len", "2:5",
                      "--batch-size", "2", "--compare", "hf,bare", "--ab", "device-outputs",
                      "--hf-dtypes", "bfloat16,float32", "--json", str(out)])
     assert rc == 0
@@ -89,7 +90,7 @@ def test_offline_compare_and_device_outputs_ab(ray_session, tmp_path):
 def test_replica_scaling_and_serving_on_the_tiny_model(ray_session, tmp_path):
     out = tmp_path / "scale.json"
     common = ["--model", bundled_model_path(), "--num-requests", "4", "--input-len", "4:16", "--output-len", "3:6"]
-    assert bench.main([*common, "--replicas", "1,2", "--json", str(out)]) == 0
+    assert cli_main(["bench", *common, "--replicas", "1,2", "--json", str(out)]) == 0
     doc = _load(out)
     runs = _runs(doc)
     assert set(runs) == {"raylm", "raylm 2x1t", "raylm 1x1t"}  # 2 cores: 1x2 threads, 2x1, and 1x1
@@ -103,7 +104,7 @@ def test_replica_scaling_and_serving_on_the_tiny_model(ray_session, tmp_path):
 
     out, png = tmp_path / "serve.json", tmp_path / "serve.png"
     plot = ["--plot", str(png)] if importlib.util.find_spec("matplotlib") else []  # the `plot` extra
-    assert bench.main([*common, "--serve", "--rate", "inf,40", "--json", str(out), *plot]) == 0
+    assert cli_main(["bench", *common, "--serve", "--rate", "inf,40", "--json", str(out), *plot]) == 0
     if plot:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     doc = _load(out)
@@ -129,16 +130,16 @@ def test_bad_arguments_are_refused_before_anything_runs(argv, message, capsys):
 
 
 def test_percentile_interpolates_like_numpy():
-    assert bench_runs.percentile([], 50) is None
-    assert bench_runs.percentile([3.0], 99) == 3.0
-    assert bench_runs.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
-    assert math.isclose(bench_runs.percentile(list(range(101)), 99), 99.0)
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert math.isclose(percentile(list(range(101)), 99), 99.0)
 
 
 def test_workload_is_seeded_and_in_range():
-    a = bench_runs.make_workload(20, (3, 9), (2, 4), 100, seed=7)
-    assert a == bench_runs.make_workload(20, (3, 9), (2, 4), 100, seed=7)
-    assert a != bench_runs.make_workload(20, (3, 9), (2, 4), 100, seed=8)
+    a = make_workload(20, (3, 9), (2, 4), 100, seed=7)
+    assert a == make_workload(20, (3, 9), (2, 4), 100, seed=7)
+    assert a != make_workload(20, (3, 9), (2, 4), 100, seed=8)
     assert all(3 <= len(p) <= 9 and all(0 <= t < 100 for t in p) for p in a.prompts)
     assert all(2 <= o <= 4 for o in a.output_lens) and a.output_tokens == sum(a.output_lens)
 
@@ -177,5 +178,7 @@ def test_engine_without_tokenizer_takes_token_ids_only(ray_session):
                            (lambda: llm.generate([1, 2], SamplingParams(stop=["x"])), "stop strings")]:
             with pytest.raises(ValueError, match=f"no tokenizer: {what}"):
                 call()
-        fp = llm._engine.replicas[0].worker_stats()["weights_fingerprint"]
+        (worker,) = llm.worker_stats()
+    assert worker["pid"] > 0 and worker["device"] == "cpu" and worker["kv_blocks"] == 32  # where and what it runs
+    fp = worker["weights_fingerprint"]
     assert math.isclose(fp, weights_fingerprint(random_model(RANDOM_1L)), rel_tol=1e-9)

@@ -1,0 +1,224 @@
+"""`raylm bench`: throughput and latency on seeded random requests, side by side with peers.
+
+    raylm bench [--layers 4] [--num-requests 64] [--input-len 32:256] [--output-len 32:128]
+                [--compare hf,bare] [--ab device-outputs] [--replicas 1,2] [--repeat 2]
+                [--serve --rate 0.5,1,inf] [--json out.json] [--plot out.png]
+
+Offline runs (vLLM's and nano-vllm's throughput benchmarks): every request arrives at
+once; prompts are random token ids, their lengths and the output lengths uniform in the
+given ranges, `ignore_eos`, greedy. Output tokens/s counts the tokens the requests asked
+for; total tokens/s adds their prompts. Every raylm run launches a fresh engine (so no
+run hits another's prefix cache); the contenders take turns, reversed on every other
+round of `--repeat`, and the figures printed are the medians over rounds.
+
+- `--compare hf`: the same requests through HF transformers on the same weights:
+  `hf-cb`, the continuous-batching manager behind `generate_batch` (explicit cache
+  config, each request's own max_new_tokens); `hf-generate`, plain `generate` on one
+  left-padded batch (per `--batch-size` requests) run to the batch's longest output;
+  `hf-generate_batch` (opt-in, `--hf-modes`): `generate_batch` itself, every request run
+  to the longest output. Only the tokens each request asked for count.
+- `--compare bare`: the same requests through ModelRunner driven directly by the real
+  Scheduler in this process (no Ray, no detokenizing, no pipelining).
+- `--ab device-outputs`: device outputs (ids back) against host logits (logits back,
+  sampled on the driver).
+- `--replicas 1,2`: each replica count with cores // replicas threads per worker (or
+  `--threads-per-worker`), plus one replica at the smallest of those thread counts; the
+  scaling target compares N replicas with one replica of the same threads (on a CPU a
+  replica's threads stand for its device).
+- `--serve --rate R[,R...]`: requests arrive as a Poisson process at R per second
+  ("inf": all at once); TTFT, TPOT, ITL and end-to-end latency as vLLM's serving
+  benchmark reports them.
+
+Dtypes: `--dtype` is the weights' (bfloat16 by default). raylm computes as it serves
+(`--compute-dtype auto`): in the weights' dtype, except half-precision weights on a CPU
+without bf16/fp16 matmul instructions (no AVX512-BF16 or AMX), which it upcasts to float32
+once at load. HF computes in the weights' dtype, as `from_pretrained` loads them;
+`--hf-dtypes bfloat16,float32` adds HF on upcast weights as further contenders, so the
+engine's share of a speedup can be told from the dtype's. The report names each run's
+compute dtype.
+
+The default model is `random:qwen3-0.6b` (Qwen3-0.6B's shape, random bf16 weights,
+built in memory by each worker and by this process for the peers; their fingerprints are
+checked equal). `--layers N` cuts its depth; `--model PATH` takes a checkpoint instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import platform
+
+from cluster.bench.hf_runs import HF_MODES
+from cluster.bench.plot import plot
+from cluster.bench.report import print_report, write_json
+from cluster.bench.suite import Bench
+from cluster.bench.workload import make_workload
+
+DEFAULT_MODEL = "random:qwen3-0.6b"
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """`LO:HI` (or `N`, meaning N:N) as an argparse type: a range of lengths, 1 <= LO <= HI."""
+    lo, sep, hi = text.partition(":")
+    try:
+        lo_i, hi_i = int(lo), int(hi if sep else lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO:HI (or N), got {text!r}") from None
+    if not 1 <= lo_i <= hi_i:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LO <= HI, got {text!r}")
+    return lo_i, hi_i
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated rates (req/s, or inf), got {text!r}") from None
+    if not values or any(not v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"rates must be > 0, got {text!r}")
+    return values
+
+
+def _names(allowed: tuple[str, ...], what: str):
+    def parse(text: str) -> list[str]:
+        values = [v for v in text.split(",") if v]
+        bad = [v for v in values if v not in allowed]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(f"{what} must be among {', '.join(allowed)}, got {text!r}")
+        return values
+    return parse
+
+
+def add_parser(sub) -> None:
+    b = sub.add_parser("bench", help="benchmark raylm (and peers) on seeded random requests",
+                       description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"a checkpoint directory or a random model spec (default {DEFAULT_MODEL})")
+    b.add_argument("--layers", type=int, default=None, help="cut the random model to N layers")
+    b.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES,
+                   help="the weights' dtype: the random model is built in it, every contender gets these weights")
+    b.add_argument("--compute-dtype", default="auto", choices=("auto",) + DTYPE_NAMES,
+                   help="raylm's (and the bare loop's) compute dtype; auto: as raylm serves, the weights' own "
+                        "except half weights on a CPU without half matmuls, which compute in float32")
+    b.add_argument("--hf-dtypes", type=_names(DTYPE_NAMES, "--hf-dtypes"), default=None,
+                   help="HF's compute dtypes, each a contender (default: the weights' dtype, as HF loads them)")
+    b.add_argument("--seed", type=int, default=0, help="seeds the weights (random model) and the workload")
+    b.add_argument("--num-requests", type=int, default=64)
+    b.add_argument("--input-len", type=parse_range, default=(32, 256), help="prompt lengths LO:HI (uniform)")
+    b.add_argument("--output-len", type=parse_range, default=(32, 128), help="output lengths LO:HI (uniform)")
+    b.add_argument("--batch-size", type=_int_list, default=[64],
+                   help="max sequences per step (raylm max_num_seqs, HF's batch); a list sweeps")
+    b.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    b.add_argument("--block-size", type=int, default=16)
+    b.add_argument("--compare", type=_names(("hf", "bare"), "--compare"), default=[],
+                   help="hf: the same requests through HF transformers; bare: through ModelRunner + Scheduler "
+                        "in this process")
+    b.add_argument("--hf-modes", type=_names(HF_MODES, "--hf-modes"), default=["cb", "generate"],
+                   help="HF contenders (default cb,generate; generate_batch runs every request to the longest)")
+    b.add_argument("--ab", choices=["device-outputs"], default=None,
+                   help="device-outputs: sampled ids back (on) against full logits back (off)")
+    b.add_argument("--replicas", type=_int_list, default=[1], help="replica counts to run (scaling)")
+    b.add_argument("--threads-per-worker", type=int, default=None,
+                   help="torch threads per worker (default: cores // replicas)")
+    b.add_argument("--serve", action="store_true", help="serving load: Poisson arrivals at --rate")
+    b.add_argument("--rate", type=_rates, default=[1.0], help="requests per second (list; inf: all at once)")
+    b.add_argument("--repeat", type=int, default=1, help="rounds of the offline runs (order reversed every other)")
+    b.add_argument("--address", default=None, help="Ray address to join (default: this process's or a local one)")
+    b.add_argument("--json", default=None, metavar="PATH", help="write every figure here (updated after each run)")
+    b.add_argument("--plot", default=None, metavar="PATH", help="PNG of throughput against batch size or rate")
+    b.add_argument("--profile", default=None, metavar="DIR",
+                   help="py-spy record (raw stacks) the workers and the driver during raylm runs")
+    b.set_defaults(func=run)
+
+
+def _model_spec(a) -> str:
+    from workers.loader import is_random_spec, parse_random_spec
+
+    if is_random_spec(a.model):
+        s = parse_random_spec(a.model)
+        layers = a.layers if a.layers is not None else s.layers
+        return str(type(s)(s.name, layers, s.seed if "seed=" in a.model else a.seed))
+    if a.layers is not None:
+        raise ValueError("--layers applies to a random model, not to a checkpoint directory")
+    return os.path.expanduser(a.model)
+
+
+def _vocab_size(model_spec: str) -> int:
+    from workers.loader import is_random_spec, load_config, load_tokenizer, parse_random_spec
+    from workers.models.qwen3 import Qwen3Config
+
+    if is_random_spec(model_spec):
+        parse_random_spec(model_spec)
+        return Qwen3Config().vocab_size
+    return min(load_config(model_spec).vocab_size, len(load_tokenizer(model_spec)))
+
+
+def _machine() -> dict:
+    import ray
+    import torch
+    import transformers
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "ray_cpus": ray.cluster_resources().get("CPU"),
+            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "ray": ray.__version__, "platform": platform.platform(), "load_avg_at_start": os.getloadavg()}
+
+
+def run(a: argparse.Namespace) -> int:
+    import cluster
+
+    if a.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plot needs matplotlib: pip install 'raylm[plot]'") from None
+    if a.serve and (a.compare or a.ab or len(a.replicas) > 1 or a.repeat != 1):
+        raise ValueError("--serve runs alone: drop --compare, --ab, --repeat and multiple --replicas")
+    for name in ("num_requests", "repeat", "max_num_batched_tokens", "block_size"):
+        if getattr(a, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.threads_per_worker is not None and a.threads_per_worker < 1:
+        raise ValueError(f"--threads-per-worker must be >= 1, got {a.threads_per_worker}")
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)  # HF's per-run INFO chatter
+    model_spec = _model_spec(a)
+    vocab = _vocab_size(model_spec)
+    wl = make_workload(a.num_requests, a.input_len, a.output_len, vocab, a.seed)
+    owns_ray = cluster.ensure_ray(a.address)
+    try:
+        import ray
+
+        cores = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
+        bench = Bench(a, model_spec, wl, vocab, cores)
+        bench.report["machine"] = _machine()
+        if a.serve:
+            bench.execute_serve()
+        else:
+            bench.plan()
+            bench.execute()
+        print_report(bench)
+        write_json(bench)
+        if a.plot:
+            plot(bench, a.plot)
+    finally:
+        if owns_ray:
+            import ray
+
+            ray.shutdown()
+    return 0

@@ -1,0 +1,54 @@
+"""Fault injection for reliability tests: a worker actor that fails on request.
+
+Tests select it through the `faulty_workers` fixture (tests/cluster/conftest.py), which
+points RAYLM_WORKER_ACTOR at FaultyWorker; the engine then starts it for every worker,
+replacements too. The production WorkerActor knows nothing of faults.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import ray
+
+from workers.actor import WorkerActor
+
+FAULT_KINDS = ("exit", "sleep", "raise")
+
+
+class FaultyWorker(WorkerActor):
+    def __init__(self) -> None:
+        super().__init__()
+        self._fault: dict | None = None
+        self._steps = 0
+
+    def execute(self, plan_bytes: bytes) -> bytes:
+        self._steps += 1
+        if self._fault is not None and self._steps >= self._fault["at_step"]:
+            self._trigger_fault()
+        return super().execute(plan_bytes)
+
+    def arm_fault(self, kind: str, after_steps: int = 0, seconds: float = 0.0) -> None:
+        """Make a later step fail: "exit" ends the process inside the step, "sleep" hangs it
+        for `seconds`, "raise" raises from it. The fault fires once."""
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"fault kind must be one of {FAULT_KINDS}, got {kind!r}")
+        self._fault = {"kind": kind, "at_step": self._steps + 1 + after_steps, "seconds": seconds}
+
+    def _trigger_fault(self) -> None:
+        fault, self._fault = self._fault, None
+        if fault["kind"] == "exit":
+            os._exit(1)
+        if fault["kind"] == "sleep":
+            time.sleep(fault["seconds"])
+        else:
+            raise RuntimeError("injected worker fault")
+
+
+FAULTY_WORKER = f"{__name__}:{FaultyWorker.__name__}"  # the RAYLM_WORKER_ACTOR value that selects it
+
+
+def arm_fault(llm, kind: str, after_steps: int = 0, seconds: float = 0.0, replica: int = 0) -> None:
+    """Arm a fault in the worker of `llm`'s replica `replica` (engines started under `faulty_workers`)."""
+    ray.get(llm._engine.replicas[replica].worker.arm_fault.remote(kind, after_steps=after_steps, seconds=seconds))
