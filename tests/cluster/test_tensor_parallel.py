@@ -94,7 +94,7 @@ def test_tp_that_does_not_divide_the_heads_is_refused_before_any_actor_starts(ra
 
 @pytest.mark.timeout(900)  # a Ray of its own and four actors
 def test_two_replicas_of_tp2_take_one_faked_npu_per_rank(expected):
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     tok = load_tokenizer(bundled_model_path())
     ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
     proc = subprocess.run([sys.executable, "-m", "tests.cluster.tp_four_npus"], input=json.dumps([ids, N]), cwd=root,
