@@ -49,9 +49,9 @@ def main() -> None:
                 continue  # the lm_head only sees sampling rows
             x32 = torch.randn(m, 1024, generator=g)
             x16 = x32.bfloat16()
-            t16 = timed(lambda: F.linear(x16, w16), a.reps)
-            t32 = timed(lambda: F.linear(x32, w32), a.reps)
-            tup = timed(lambda: F.linear(x16.float(), w16.float()).bfloat16(), a.reps)
+            t16 = timed(lambda x=x16, w=w16: F.linear(x, w), a.reps)
+            t32 = timed(lambda x=x32, w=w32: F.linear(x, w), a.reps)
+            tup = timed(lambda x=x16, w=w16: F.linear(x.float(), w.float()).bfloat16(), a.reps)
             flop = 2 * m * 1024 * out_features
             print(f"{f'{m}x1024 @ 1024x{out_features}':>22} {t16 * 1e3:>9.1f} {t32 * 1e3:>9.1f} {tup * 1e3:>14.1f} "
                   f"{flop / t16 / 1e9:>10.1f} {flop / t32 / 1e9:>10.1f} {flop / tup / 1e9:>12.1f}")

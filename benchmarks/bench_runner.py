@@ -109,7 +109,8 @@ def main() -> None:
     model = random_qwen3(dtype=dtype, layers=args.layers, device=device)
     hf = hf_model(model)
     print(f"# Qwen3-0.6B shape, {args.layers} layers, {args.dtype}, context {args.context}, device {device}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads; model built in {time.perf_counter() - t0:.1f}s")
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"model built in {time.perf_counter() - t0:.1f}s")
     print(f"{'batch':>5} {'runner/device ms':>17} {'runner/host ms':>15} {'hf ms':>9} "
           f"{'device/hf':>10} {'host/hf':>8}")
     for batch in (int(b) for b in args.batches.split(",")):

@@ -105,7 +105,7 @@ class EngineConfig:
         _positive_number("start_timeout_s", self.start_timeout_s)
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:

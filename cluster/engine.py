@@ -57,7 +57,7 @@ class Engine:
                               max_num_batched_tokens=config.max_num_batched_tokens)
 
     # ---- lifecycle ----
-    def start(self) -> "Engine":
+    def start(self) -> Engine:
         from workers.loader import (
             bundled_model_path,
             eos_token_ids,
@@ -176,7 +176,8 @@ class Engine:
         replica = self._router.pick(self.replicas, ids)
         if replica.num_waiting() >= self.config.max_waiting_requests:
             raise EngineOverloadedError(
-                f"too many waiting requests ({self.config.max_waiting_requests} on replica {replica.index}); retry later")
+                f"too many waiting requests ({self.config.max_waiting_requests} on replica {replica.index}); "
+                "retry later")
         if params.stop:
             self._need_tokenizer("stop strings")
         stream = RequestStream(request_id, loop)
@@ -278,7 +279,8 @@ class Engine:
         queried = total.get("prefix_queried_tokens", 0)
         total["prefix_hit_rate"] = total.get("prefix_hit_tokens", 0) / queried if queried else 0.0
         decode_steps = total.get("decode_steps", 0)
-        total["bytes_pulled_per_decode_step"] = total.get("decode_bytes_pulled", 0) / decode_steps if decode_steps else 0.0
+        pulled = total.get("decode_bytes_pulled", 0)
+        total["bytes_pulled_per_decode_step"] = pulled / decode_steps if decode_steps else 0.0
         total["rows_per_decode_step"] = total.get("decode_rows", 0) / decode_steps if decode_steps else 0.0
         total["num_replicas"] = len(self.replicas)
         total["tensor_parallel_size"] = self.config.tensor_parallel_size

@@ -91,7 +91,7 @@ class EngineClient:
         self._tokenizer = None
 
     @classmethod
-    def attach(cls, name: str, namespace: str = NAMESPACE) -> "EngineClient":
+    def attach(cls, name: str, namespace: str = NAMESPACE) -> EngineClient:
         try:
             actor = ray.get_actor(name, namespace=namespace)
         except ValueError:

@@ -28,7 +28,8 @@ class LLMHandle:
         return self._engine.config
 
     # ---- blocking ----
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, request_id: str | None = None, use_tqdm: bool | None = None):
         """A string (or one list of token ids) gives one RequestOutput; a list of prompts
         gives a list of RequestOutputs in input order."""
@@ -125,7 +126,7 @@ class LLMHandle:
 
             ray.shutdown()
 
-    def __enter__(self) -> "LLMHandle":
+    def __enter__(self) -> LLMHandle:
         return self
 
     def __exit__(self, *exc) -> None:

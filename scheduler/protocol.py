@@ -75,7 +75,7 @@ class WorkerSampling:
     banned_ids: tuple[int, ...] = ()
 
     @classmethod
-    def from_params(cls, params, num_prompt_tokens: int, eos_token_ids=()) -> "WorkerSampling":
+    def from_params(cls, params, num_prompt_tokens: int, eos_token_ids=()) -> WorkerSampling:
         banned: tuple[int, ...] = ()
         ban_until = 0
         if params.min_tokens > 0:
@@ -104,7 +104,7 @@ class WorkerSampling:
                 self.logprobs, self.ban_until, list(self.banned_ids)]
 
     @classmethod
-    def _decode(cls, a) -> "WorkerSampling":
+    def _decode(cls, a) -> WorkerSampling:
         t, k, p, m, seed, lp, until, banned = a
         return cls(t, k, p, m, seed, lp, until, tuple(banned))
 
@@ -159,7 +159,7 @@ class StepPlan:
         )
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "StepPlan":
+    def from_bytes(cls, data: bytes) -> StepPlan:
         try:
             version, step_id, new, rows, finished, preempted = msgpack.unpackb(data, raw=False)
             _check_version(version)
@@ -230,7 +230,7 @@ class StepResult:
         )
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "StepResult":
+    def from_bytes(cls, data: bytes) -> StepResult:
         try:
             version, step_id, slots, ids, lps, logits, shape, dtype, step_time = msgpack.unpackb(data, raw=False)
             _check_version(version)

@@ -160,7 +160,7 @@ class Request:
     num_inflight_samples: int = field(default=0, repr=False)  # sampled by dispatched steps, not yet returned
     arrival_seq: int = field(default=-1, repr=False)  # order of add_request()
     admission: int = field(default=0, repr=False)  # bumped at every (re-)admission
-    worker_sampling: "WorkerSampling | None" = field(default=None, repr=False)
+    worker_sampling: WorkerSampling | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -20,9 +20,9 @@ from bisect import insort
 from collections import deque
 
 from scheduler.blocks import BlockManager
-from scheduler.scheduler_config import SchedulerConfig
 from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, StepResult, WorkerSampling
 from scheduler.request import FinishReason, Request, RequestStatus, RequestUpdate, SampleLogprobs
+from scheduler.scheduler_config import SchedulerConfig
 from scheduler.slot_pool import SlotPool
 from scheduler.step import Step
 from scheduler.waiting import WaitingQueue
@@ -67,7 +67,8 @@ class Scheduler:
             raise ValueError(f"request {rid!r} must be waiting to be added, got status {request.status.value}")
         n = request.num_tokens
         if n >= cfg.max_model_len:
-            raise ValueError(f"request {rid!r} has {n} tokens; max_model_len {cfg.max_model_len} leaves no room to generate")
+            raise ValueError(f"request {rid!r} has {n} tokens; max_model_len {cfg.max_model_len} "
+                             "leaves no room to generate")
         if -(-(n + 1) // cfg.block_size) > cfg.num_blocks:
             raise ValueError(
                 f"request {rid!r} has {n} tokens: {n + 1} tokens need {-(-(n + 1) // cfg.block_size)} blocks "

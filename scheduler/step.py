@@ -25,7 +25,8 @@ class Step:
         self.new_requests: list[NewRequest] = []
         self.samples: list[tuple[Request, int]] = []  # (request, position it samples), plan order
         self.slots: list[int] = []  # their slots: what StepResult.slots must be
-        self.confirms: list[tuple[Request, int, int]] = []  # (request, admission, computed after) for rows filling blocks
+        # (request, admission, computed after) for rows filling blocks
+        self.confirms: list[tuple[Request, int, int]] = []
         self.logprob_rows: list[int] = []  # indexes into samples of requests that asked for logprobs
         self.prefill_tokens = 0
         self._bs = block_size
@@ -55,7 +56,8 @@ class Step:
         if result.step_id != self.step_id:
             raise ValueError(f"result for step {result.step_id} arrived; step {self.step_id} must come first")
         if list(result.slots) != self.slots:
-            raise ValueError(f"step {self.step_id}: result slots {result.slots} are not the sampling rows' {self.slots}")
+            raise ValueError(f"step {self.step_id}: result slots {result.slots} "
+                             f"are not the sampling rows' {self.slots}")
         ids = result.sampled_ids()  # [rows] int32
         if len(ids) != len(self.samples):
             raise ValueError(f"step {self.step_id}: {len(ids)} sampled ids for {len(self.samples)} sampling rows")

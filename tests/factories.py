@@ -92,7 +92,7 @@ class FakeRunner:
     num_sampled: int = 0
 
     @classmethod
-    def for_scheduler(cls, sched: Scheduler, **kw) -> "FakeRunner":
+    def for_scheduler(cls, sched: Scheduler, **kw) -> FakeRunner:
         return cls(sched.config.num_blocks, sched.config.block_size, **kw)
 
     def _holders(self, block: int) -> list[int]:

@@ -39,7 +39,7 @@ class AttentionMetadata:
     @classmethod
     def build(cls, *, slot_mapping: torch.Tensor, block_size: int,
               decode_block_tables: torch.Tensor | None = None, decode_context_lens: torch.Tensor | None = None,
-              decode_padded: bool = True, prefills: list[PrefillChunk] = ()) -> "AttentionMetadata":
+              decode_padded: bool = True, prefills: list[PrefillChunk] = ()) -> AttentionMetadata:
         """decode_context_lens [D]: keys each decode row sees (its position + 1).
 
         decode_padded False promises that every row's context fills its block table

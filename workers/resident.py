@@ -81,7 +81,7 @@ class ResidentOutputs:
         """Free every buffer. The cache stays usable: a later `get` allocates afresh."""
         self._buffers.clear()
 
-    def __enter__(self) -> "ResidentOutputs":
+    def __enter__(self) -> ResidentOutputs:
         return self
 
     def __exit__(self, *exc) -> None:

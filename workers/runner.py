@@ -20,11 +20,20 @@ import time
 
 import torch
 
-from scheduler.protocol import NewRequest, ScheduledRow, StepPlan, StepResult, USE_RESIDENT, WorkerSampling
+from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, StepResult, WorkerSampling
 from workers.device import compute_dtype, num_kv_blocks, set_cpu_threads, synchronize, torch_device
 from workers.kv_cache import KVCache
-from workers.loader import (bundled_model_path, cast_model, is_random_spec, load_config, load_model,
-                            load_tokenizer, random_model, resolve_dtype, weights_fingerprint)
+from workers.loader import (
+    bundled_model_path,
+    cast_model,
+    is_random_spec,
+    load_config,
+    load_model,
+    load_tokenizer,
+    random_model,
+    resolve_dtype,
+    weights_fingerprint,
+)
 from workers.logits_codec import encode_logits
 from workers.models.qwen3 import Qwen3ForCausalLM
 from workers.parallel import SINGLE, TensorParallel

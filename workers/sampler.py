@@ -106,7 +106,7 @@ class SamplingBatch:
     max_logprobs: int = 0  # n_max over the rows that asked
 
     @classmethod
-    def build(cls, params: list[WorkerSampling], positions: list[int], device: torch.device) -> "SamplingBatch":
+    def build(cls, params: list[WorkerSampling], positions: list[int], device: torch.device) -> SamplingBatch:
         """positions[i] is the sequence position of the token row i samples."""
         device = torch.device(device)
         if len(params) != len(positions):

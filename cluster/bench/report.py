@@ -93,7 +93,8 @@ def print_report(bench: Bench, out=sys.stdout) -> None:
           f"{bench.a.repeat} round(s), medians", file=out)
     rows = bench.runs + bench.serve_runs
     head = (f"{'run':<22} {'computes':>8} {'batch':>5} {'repl x thr':>10} {'out tok/s':>10} {'total tok/s':>11} "
-            f"{'elapsed s':>9} {'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} {'B/decode step':>13}")
+            f"{'elapsed s':>9} {'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} "
+            f"{'B/decode step':>13}")
     print(head, file=out)
     for r in rows:
         if not r.rounds:
@@ -103,7 +104,8 @@ def print_report(bench: Bench, out=sys.stdout) -> None:
         rep = f"{r.spec.replicas}x{r.spec.threads}" if r.kind in ("raylm", "serve") else f"-x{r.spec.threads}"
         dt = ",".join(sorted({_SHORT.get(f.get("compute_dtype"), "?") for f in r.rounds}))
         print(f"{r.name:<22} {dt:>8} {r.spec.batch_size:>5} {rep:>10} {s['output_tok_s']:>10.2f} "
-              f"{s['total_tok_s']:>11.2f} {s['elapsed_s']:>9.1f} {ms(s, 'ttft'):>16} {ms(s, 'tpot'):>16} {ms(s, 'itl'):>15} "
+              f"{s['total_tok_s']:>11.2f} {s['elapsed_s']:>9.1f} {ms(s, 'ttft'):>16} {ms(s, 'tpot'):>16} "
+              f"{ms(s, 'itl'):>15} "
               f"{'-' if bps is None else f'{bps:.0f}':>13}", file=out)
     table = ratios(bench)
     if table:

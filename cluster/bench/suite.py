@@ -91,7 +91,8 @@ class Bench:
                         name = f"hf-{m}" + ("" if dt == a.dtype else f" {dt}") + sfx
                         self.runs.append(Run(name, f"hf-{m}", dataclasses.replace(in_process, dtype=dt)))
         for r, t in others:
-            self.runs.append(Run(f"raylm {r}x{t}t", "raylm", self.spec(replicas=r, threads=t, batch_size=a.batch_size[0])))
+            spec = self.spec(replicas=r, threads=t, batch_size=a.batch_size[0])
+            self.runs.append(Run(f"raylm {r}x{t}t", "raylm", spec))
 
     def hf_dtypes(self) -> list[str]:
         return self.a.hf_dtypes or [self.a.dtype]

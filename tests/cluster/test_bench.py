@@ -44,6 +44,7 @@ def _check_figures(fig: dict, wl: dict) -> None:
     assert 0 <= fig["tpot_p50_ms"] <= fig["tpot_p99_ms"]
 
 
+@pytest.mark.timeout(900)  # seven contenders, each loading the model
 def test_offline_compare_and_device_outputs_ab(ray_session, tmp_path):
     out = tmp_path / "bench.json"
     rc = cli_main(["bench", "--model", RANDOM_1L, "--num-requests", "3", "--input-len", "4:12", "--output-len", "2:5",
@@ -81,12 +82,14 @@ def test_offline_compare_and_device_outputs_ab(ray_session, tmp_path):
     ratios = doc["ratios"]
     best = max((n for n in runs if n.startswith("hf-")), key=lambda n: runs[n]["summary"]["output_tok_s"])
     assert ratios[f"raylm / best hf ({best})"] == ratios[f"raylm / {best}"]
-    for key in ("raylm / hf-cb", "raylm / hf-generate", "raylm / hf-cb float32", "device outputs / host logits", "engine / bare step loop"):
+    for key in ("raylm / hf-cb", "raylm / hf-generate", "raylm / hf-cb float32", "device outputs / host logits",
+                "engine / bare step loop"):
         assert ratios[key] > 0
     assert {t["met"] for t in doc["targets"].values()} <= {True, False}
     assert doc["machine"]["cores"] >= 1
 
 
+@pytest.mark.timeout(900)  # four engines started one after another
 def test_replica_scaling_and_serving_on_the_tiny_model(ray_session, tmp_path):
     out = tmp_path / "scale.json"
     common = ["--model", bundled_model_path(), "--num-requests", "4", "--input-len", "4:16", "--output-len", "3:6"]

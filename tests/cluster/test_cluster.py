@@ -192,7 +192,8 @@ def _alive_worker_actors(ray):
     """WorkerActors still alive in this Ray (GCS table; no dashboard needed)."""
     from ray._private import state
 
-    return [a for a in state.actors().values() if a.get("State") == "ALIVE" and "Worker" in str(a.get("ActorClassName"))]
+    return [a for a in state.actors().values()
+            if a.get("State") == "ALIVE" and "Worker" in str(a.get("ActorClassName"))]
 
 
 def test_bad_input_is_refused_and_the_engine_keeps_serving(ray_session):

@@ -100,7 +100,7 @@ def test_logprobs(client):
     r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0, logprobs=3)
     lp = r.choices[0].logprobs
     assert len(lp.token_logprobs) == 5 and all(len(t) == 3 for t in lp.top_logprobs)
-    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for _token, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert val <= 0 and max(top.values()) == pytest.approx(val, abs=1e-4)  # greedy took the best
     c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                        temperature=0, logprobs=True, top_logprobs=2)

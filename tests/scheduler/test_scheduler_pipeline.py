@@ -2,7 +2,7 @@
 
 import pytest
 
-from scheduler.protocol import USE_RESIDENT, StepResult, WorkerSampling, pack_int32
+from scheduler.protocol import USE_RESIDENT, StepResult, WorkerSampling
 from scheduler.request import FinishReason, RequestStatus
 from tests.factories import FakeRunner, assert_matches_reference, drive, make_requests, make_scheduler, reference
 

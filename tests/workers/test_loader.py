@@ -10,14 +10,21 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from workers.loader import (CheckpointError, bundled_model_path, eos_token_ids, load_config, load_model,
-                            load_tokenizer, random_qwen3)
+from workers.loader import (
+    CheckpointError,
+    bundled_model_path,
+    eos_token_ids,
+    load_config,
+    load_model,
+    load_tokenizer,
+    random_qwen3,
+)
 from workers.tiny_model.build import build
 
 IDS = [[3, 17, 42, 99, 7, 120, 64, 5, 1]]
 
 
-def save_hf(path: Path, *, tied: bool = True, **save_kwargs) -> "torch.nn.Module":
+def save_hf(path: Path, *, tied: bool = True, **save_kwargs) -> torch.nn.Module:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)

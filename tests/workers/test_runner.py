@@ -5,8 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scheduler.protocol import (USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, StepResult, WorkerSampling,
-                                sampled_on_device)
+from scheduler.protocol import (
+    USE_RESIDENT,
+    NewRequest,
+    ScheduledRow,
+    StepPlan,
+    StepResult,
+    WorkerSampling,
+    sampled_on_device,
+)
 from tests import oracle
 from tests.devices import DEVICES
 from tests.plans import PlanDriver

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scheduler.protocol import StepResult, WorkerSampling as W
+from scheduler.protocol import StepResult
+from scheduler.protocol import WorkerSampling as W
 from workers.logits_codec import encode_logits
 from workers.resident import ResidentOutputs
 from workers.sampler import Sampler, SamplingBatch, row_logprobs, sample_host

@@ -164,7 +164,8 @@ class Qwen3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, self.shape.vocab_rows, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float) / config.head_dim))
+        exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float) / config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** exponents)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def tie_weights(self) -> None:

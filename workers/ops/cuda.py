@@ -1,0 +1,205 @@
+"""The CUDA op table: FlashInfer's paged attention (optional extra `raylm[cuda]`).
+
+- K/V writes: one `index_copy_` per K and V into the layer's flat [slots, KVH, D] view
+  (no Python loop; capturable in a CUDA graph).
+- Attention: FlashInfer over the cache in its "NHD" layout ([pages, page_size, KVH, D],
+  exactly KVCache's per-layer tensors), planned once per step from the host lengths:
+  decode-only steps through BatchDecodeWithPagedKVCacheWrapper, mixed steps through
+  BatchPrefillWithPagedKVCacheWrapper with causal=True (aligned bottom right, so cached
+  keys come before a chunk's own). A captured decode graph owns a decode wrapper built
+  with use_cuda_graph=True over static buffers; `update_graph` re-plans it before a
+  replay, which rewrites those buffers.
+- Without FlashInfer, or in float32 (FlashInfer takes float16 / bfloat16), attention
+  falls back to one batched SDPA over the gathered blocks; decode graphs need FlashInfer.
+- Elementwise ops are plain torch (what the reference defines).
+
+flashinfer is imported on first use. Tested on the CPU through an emulation of the two
+wrappers (tests/workers/flashinfer_emulation.py); never run on a CUDA device yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from workers.ops.base import AttentionBackend, AttentionMetadata, OpTable
+
+WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommended float workspace
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def flashinfer():
+    """The flashinfer module, or None when it is not installed."""
+    try:
+        import flashinfer as module  # noqa: PLC0415  (lazy by design: an optional extra)
+    except ImportError:
+        return None
+    return module
+
+
+def page_table(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashInfer's CSR page table from the step's block tables and host lengths:
+    kv_indptr [B + 1] and last_page_len [B] (host int32), page indices [sum pages] (device int32)."""
+    bs, cols = meta.block_size, meta.block_tables.shape[1]
+    lens = torch.tensor(meta.seq_lens_host, dtype=torch.int32)  # host work, vectorized
+    pages = (lens + bs - 1) // bs
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    torch.cumsum(pages, 0, out=indptr[1:])
+    last = lens - (pages - 1) * bs
+    used = torch.arange(cols)[None, :] < pages[:, None]  # [B, cols]: the table entries holding keys
+    flat = used.flatten().nonzero().squeeze(1).to(meta.block_tables.device, non_blocking=True)
+    indices = meta.block_tables.reshape(-1).index_select(0, flat)
+    return indptr, last.to(torch.int32), indices
+
+
+def _query_indptr(meta: AttentionMetadata) -> torch.Tensor:
+    qo = [0]
+    for n in meta.query_lens_host:
+        qo.append(qo[-1] + n)
+    return torch.tensor(qo, dtype=torch.int32)
+
+
+@dataclass
+class CudaGraphState:
+    """A decode graph bucket's FlashInfer wrapper over static page-table buffers."""
+    num_rows: int
+    wrapper: object
+    shape: tuple[int, int, int, torch.dtype]  # num_heads, num_kv_heads, head_dim, dtype
+    capturing: bool = False
+
+
+class CudaAttentionBackend(AttentionBackend):
+    name = "cuda"
+
+    def __init__(self) -> None:
+        self._fi = flashinfer()
+        self._workspace: torch.Tensor | None = None
+        self._decode = self._prefill = None
+
+    @property
+    def supports_graphs(self) -> bool:
+        return self._fi is not None
+
+    def _workspace_on(self, device) -> torch.Tensor:
+        if self._workspace is None:
+            self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        return self._workspace
+
+    def write_kv(self, kv_cache, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        kv_heads, dim = k.shape[1:]
+        slots = kv_cache.num_blocks * kv_cache.block_size
+        kv_cache.key(layer).view(slots, kv_heads, dim).index_copy_(0, meta.slot_mapping, k)
+        kv_cache.value(layer).view(slots, kv_heads, dim).index_copy_(0, meta.slot_mapping, v)
+
+    def _plan(self, meta: AttentionMetadata, q: torch.Tensor, kv_cache_dtype: torch.dtype) -> object:
+        """Plan this step's wrapper once (at the first layer); later layers reuse it."""
+        x = meta.extra
+        if "fi_wrapper" in x:
+            return x["fi_wrapper"]
+        _, heads, dim = q.shape
+        kv_heads = x["fi_kv_heads"]
+        indptr, last, indices = page_table(meta)
+        ws = self._workspace_on(q.device)
+        fi = self._fi
+        if meta.num_decode == meta.num_seqs:
+            if self._decode is None:
+                self._decode = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=heads // kv_heads >= 4)
+            wrapper = self._decode
+            wrapper.plan(indptr, indices, last, heads, kv_heads, dim, meta.block_size, q_data_type=q.dtype,
+                         kv_data_type=kv_cache_dtype, sm_scale=dim ** -0.5)
+        else:
+            if self._prefill is None:
+                self._prefill = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+            wrapper = self._prefill
+            wrapper.plan(_query_indptr(meta), indptr, indices, last, heads, kv_heads, dim, meta.block_size,
+                         causal=True, sm_scale=dim ** -0.5, q_data_type=q.dtype, kv_data_type=kv_cache_dtype)
+        x["fi_wrapper"] = wrapper
+        return wrapper
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, layer: int,
+                meta: AttentionMetadata) -> torch.Tensor:
+        t, heads, dim = q.shape
+        key_cache, value_cache = kv_cache.key(layer), kv_cache.value(layer)  # [pages, page_size, KVH, D]
+        graph = meta.extra.get("graph")
+        if isinstance(graph, CudaGraphState):
+            return graph.wrapper.run(q.contiguous(), (key_cache, value_cache)).view(t, heads * dim)
+        if self._fi is None or q.dtype not in FLASHINFER_DTYPES:
+            return sdpa_paged_attention(q, key_cache, value_cache, meta)
+        meta.extra["fi_kv_heads"] = k.shape[1]
+        wrapper = self._plan(meta, q, key_cache.dtype)
+        return wrapper.run(q.contiguous(), (key_cache, value_cache)).view(t, heads * dim)
+
+    # -- decode graphs ------------------------------------------------------------------
+
+    def new_graph_state(self, num_rows: int, *, max_blocks: int, device, num_heads: int, num_kv_heads: int,
+                        head_dim: int, dtype: torch.dtype) -> CudaGraphState:
+        if self._fi is None:
+            raise ValueError("CUDA decode graphs need FlashInfer (pip install 'raylm[cuda]'); "
+                             "or set enforce_eager=True")
+        if dtype not in FLASHINFER_DTYPES:
+            raise ValueError(f"CUDA decode graphs run in float16 or bfloat16, got {dtype}; set enforce_eager=True")
+        wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace_on(device), "NHD", use_cuda_graph=True,
+            use_tensor_cores=num_heads // num_kv_heads >= 4,
+            paged_kv_indptr_buffer=torch.zeros(num_rows + 1, dtype=torch.int32, device=device),
+            paged_kv_indices_buffer=torch.zeros(num_rows * max_blocks, dtype=torch.int32, device=device),
+            paged_kv_last_page_len_buffer=torch.zeros(num_rows, dtype=torch.int32, device=device))
+        return CudaGraphState(num_rows=num_rows, wrapper=wrapper, shape=(num_heads, num_kv_heads, head_dim, dtype))
+
+    def update_graph(self, graph: CudaGraphState, meta: AttentionMetadata) -> None:
+        """Before capture and each replay: re-plan, which rewrites the static page table."""
+        heads, kv_heads, dim, dtype = graph.shape
+        indptr, last, indices = page_table(meta)
+        graph.wrapper.plan(indptr, indices, last, heads, kv_heads, dim, meta.block_size, q_data_type=dtype,
+                           kv_data_type=dtype, sm_scale=dim ** -0.5)
+
+
+def sdpa_paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                         meta: AttentionMetadata) -> torch.Tensor:
+    """The fallback: every sequence's keys gathered into [B, max_kv] and one masked SDPA.
+
+    q [T, H, D] -> [T, H * D]. Padded query rows attend key 0 (so no row is all masked)
+    and are dropped."""
+    t, heads, dim = q.shape
+    bs, dev = meta.block_size, q.device
+    b, max_q, max_kv = meta.num_seqs, meta.max_query_len, meta.max_seq_len
+    kv_heads = key_cache.shape[2]
+    pos = torch.arange(max_kv, device=dev)
+    blocks = meta.block_tables.long().gather(1, (pos // bs).clamp(max=meta.block_tables.shape[1] - 1)
+                                             .expand(b, -1))  # [B, max_kv]
+    slots = blocks * bs + pos % bs
+    keys = key_cache.reshape(-1, kv_heads, dim)[slots]  # [B, max_kv, KVH, D]
+    vals = value_cache.reshape(-1, kv_heads, dim)[slots]
+    q_lens = torch.tensor(meta.query_lens_host, device=dev)
+    starts = meta.query_start_loc[:-1].long()
+    i = torch.arange(max_q, device=dev)
+    valid = i[None, :] < q_lens[:, None]  # [B, max_q]
+    rows = torch.where(valid, starts[:, None] + i[None, :], 0)  # [B, max_q] rows of q
+    q_pos = meta.seq_lens.long()[:, None] - q_lens[:, None] + i[None, :]  # each query's position
+    mask = (pos[None, None, :] <= q_pos[:, :, None]) | (pos[None, None, :] == 0)  # [B, max_q, max_kv]
+    o = F.scaled_dot_product_attention(q[rows].transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
+                                       attn_mask=mask[:, None], scale=dim ** -0.5, enable_gqa=True)  # [B, H, max_q, D]
+    return o.transpose(1, 2)[valid].reshape(t, heads * dim)
+
+
+class CudaOpTable(OpTable):
+    name = "cuda"
+
+    def __init__(self) -> None:
+        self.attention = CudaAttentionBackend()
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        h = x.to(torch.float32)
+        return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    def apply_rotary(self, q, k, cos, sin):
+        def rope(x):
+            half = x.shape[-1] // 2
+            return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None]
+        return rope(q), rope(k)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return F.silu(x[:, :half]) * x[:, half:]

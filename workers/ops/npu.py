@@ -1,0 +1,210 @@
+"""The Ascend NPU op table: torch_npu's fused kernels, as vllm-ascend calls them.
+
+- K/V writes: `npu_scatter_pa_kv_cache` (older torch_npu: `_npu_reshape_and_cache`), with
+  an int32 slot mapping, into the cache's [num_blocks, block_size, KVH, D] layer tensors.
+- Attention of an eager step (decode rows and prefill chunks mixed):
+  `npu_fused_infer_attention_score` in "TND" layout over the paged cache viewed as
+  [num_blocks, block_size, KVH * D], an int32 block table, `actual_seq_lengths` = the
+  cumulative query ends, `actual_seq_lengths_kv` = each sequence's keys, sparse_mode 3
+  (causal aligned bottom right: cached keys before new ones) with the compressed
+  2048 x 2048 int8 upper-triangular mask.
+- Attention of a captured decode graph: `_npu_paged_attention`, one task group per layer,
+  whose host context lengths are patched before each replay (`update_graph`).
+- RMSNorm `npu_rms_norm` / `npu_add_rms_norm`, RoPE `npu_rotary_mul`, SwiGLU `npu_swiglu`.
+
+torch_npu is imported when the table is built (get_op_table for an "npu" device), never at
+module import: importing it without the CANN toolkit breaks `import torch`. Tested on the CPU through an emulation of
+these ops (tests/workers/npu_emulation.py); never run on an Ascend device yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from workers.ops.base import AttentionBackend, AttentionMetadata, OpTable
+
+DEFAULT_NPU_BLOCK_SIZE = 128  # vllm-ascend's only kernel block size
+MAX_NPU_BLOCK_SIZE = 128  # _npu_paged_attention's limit (FIA alone would take up to 512)
+MASK_SIZE = 2048  # sparse_mode 3 reads the causal mask compressed to this square
+NPU_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def torch_npu():
+    """The torch_npu module, imported on first use (registers torch.npu)."""
+    import torch_npu as module  # noqa: PLC0415  (lazy by design)
+
+    return module
+
+
+def check_npu_block_size(block_size) -> int:
+    """block_size if the NPU attention kernels take it (a multiple of 16, at most 128)."""
+    if (not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 16
+            or block_size % 16 or block_size > MAX_NPU_BLOCK_SIZE):
+        raise ValueError(f"block_size must be a multiple of 16 between 16 and {MAX_NPU_BLOCK_SIZE} on the NPU "
+                         f"(the fused attention kernels refuse others; {DEFAULT_NPU_BLOCK_SIZE} is the default), "
+                         f"got {block_size!r}")
+    return block_size
+
+
+def check_npu_dtype(dtype: torch.dtype) -> torch.dtype:
+    if dtype not in NPU_DTYPES:
+        raise ValueError(f"dtype must be float16 or bfloat16 on the NPU (its attention kernels take no other), "
+                         f"got {str(dtype).removeprefix('torch.')}")
+    return dtype
+
+
+@dataclass
+class _Task:
+    """One captured layer's paged attention: what an update must pass again."""
+    handle: object
+    event: object
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    out: torch.Tensor
+
+
+@dataclass
+class NpuGraphState:
+    """A decode graph bucket's attention state (the graph runner holds one per bucket)."""
+    num_rows: int
+    capturing: bool = False
+    tasks: list[_Task] = field(default_factory=list)
+    workspace: torch.Tensor | None = None
+    update_stream: object = None
+
+
+class NpuAttentionBackend(AttentionBackend):
+    name = "npu"
+
+    def __init__(self) -> None:
+        self._masks: dict[torch.device, torch.Tensor] = {}
+
+    def _mask(self, device: torch.device) -> torch.Tensor:
+        mask = self._masks.get(device)
+        if mask is None:  # 1 = masked: strictly above the diagonal
+            mask = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.int8, device=device).triu_(1)
+            self._masks[device] = mask
+        return mask
+
+    def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
+        check_npu_block_size(meta.block_size)
+        x = meta.extra
+        x["npu_mask"] = self._mask(meta.slot_mapping.device)
+        x["npu_slots"] = meta.slot_mapping.to(torch.int32)  # [T]; the kernels take int32 slots
+        ends, total = [], 0
+        for n in meta.query_lens_host:
+            total += n
+            ends.append(total)
+        x["npu_q_ends"] = ends  # TND: cumulative query ends
+        x["npu_kv_lens"] = list(meta.seq_lens_host)
+        x["npu_context_lens"] = torch.tensor(meta.seq_lens_host, dtype=torch.int32)  # host, for paged attention
+        return meta
+
+    def write_kv(self, kv_cache, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        npu = torch_npu()
+        slots = meta.extra["npu_slots"]
+        key_cache, value_cache = kv_cache.key(layer), kv_cache.value(layer)
+        if hasattr(npu, "npu_scatter_pa_kv_cache"):
+            npu.npu_scatter_pa_kv_cache(key=k.contiguous(), value=v.contiguous(), key_cache=key_cache,
+                                        value_cache=value_cache, slot_mapping=slots, cache_mode="Norm")
+        else:  # torch_npu before npu_scatter_pa_kv_cache
+            npu._npu_reshape_and_cache(key=k.contiguous(), value=v.contiguous(), key_cache=key_cache,
+                                       value_cache=value_cache, slot_indices=slots)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, layer: int,
+                meta: AttentionMetadata) -> torch.Tensor:
+        check_npu_dtype(q.dtype)
+        t, heads, dim = q.shape
+        kv_heads = k.shape[1]
+        scale = dim ** -0.5
+        key_cache, value_cache = kv_cache.key(layer), kv_cache.value(layer)  # [num_blocks, bs, KVH, D]
+        graph = meta.extra.get("graph")
+        if isinstance(graph, NpuGraphState):
+            return self._paged_decode(q.contiguous(), key_cache, value_cache, kv_heads, scale, meta, graph)
+        x = meta.extra
+        nb, bs = key_cache.shape[:2]
+        out, _ = torch_npu().npu_fused_infer_attention_score(
+            q.contiguous(), key_cache.view(nb, bs, -1), value_cache.view(nb, bs, -1),
+            atten_mask=x["npu_mask"], block_table=meta.block_tables, input_layout="TND", block_size=bs,
+            actual_seq_lengths=x["npu_q_ends"], actual_seq_lengths_kv=x["npu_kv_lens"],
+            num_key_value_heads=kv_heads, num_heads=heads, scale=scale, sparse_mode=3,
+        )  # [T, H, D]
+        return out.view(t, heads * dim)
+
+    # -- decode graphs ------------------------------------------------------------------
+
+    supports_graphs = True
+
+    def new_graph_state(self, num_rows: int, **shape) -> NpuGraphState:
+        """shape (max_blocks, device, heads, dtype) is what other backends need; paged attention reads it all
+        from its arguments."""
+        return NpuGraphState(num_rows=num_rows, update_stream=torch.npu.Stream())
+
+    def _paged_decode(self, q, key_cache, value_cache, kv_heads, scale, meta, graph: NpuGraphState):
+        npu = torch_npu()
+        t, heads, dim = q.shape
+        out = torch.empty_like(q)  # [B, H, D]; inside a capture it lives in the graph's pool
+        args = dict(query=q, key_cache=key_cache, value_cache=value_cache, num_kv_heads=kv_heads,
+                    num_heads=heads, scale_value=scale, block_table=meta.block_tables,
+                    context_lens=meta.extra["npu_context_lens"], out=out)
+        if not graph.capturing:
+            npu._npu_paged_attention(**args)
+            return out.view(t, heads * dim)
+        if graph.workspace is None:
+            graph.workspace = npu._npu_paged_attention_get_workspace(**args)
+        stream = torch.npu.current_stream()
+        event = torch.npu.ExternalEvent()  # the task waits until its update has been recorded
+        event.wait(stream)
+        event.reset(stream)
+        torch.npu.graph_task_group_begin(stream)
+        npu._npu_paged_attention(**args, workspace=graph.workspace)
+        handle = torch.npu.graph_task_group_end(stream)
+        graph.tasks.append(_Task(handle, event, q, key_cache, value_cache, out))
+        return out.view(t, heads * dim)
+
+    def update_graph(self, graph: NpuGraphState, meta: AttentionMetadata) -> None:
+        """Before a replay: patch every captured paged-attention task with this step's
+        context lengths (host arguments are baked into a captured task)."""
+        if not graph.tasks:
+            return
+        npu = torch_npu()
+        lens = torch.tensor(meta.seq_lens_host, dtype=torch.int32)
+        torch.npu.current_stream().synchronize()  # the previous replay has read the old ones
+        stream = graph.update_stream
+        with torch.npu.stream(stream):
+            for task in graph.tasks:
+                torch.npu.graph_task_update_begin(stream, task.handle)
+                npu._npu_paged_attention(query=task.query, key_cache=task.key_cache, value_cache=task.value_cache,
+                                         num_kv_heads=task.key_cache.shape[2], num_heads=task.query.shape[1],
+                                         scale_value=task.query.shape[2] ** -0.5, block_table=meta.block_tables,
+                                         context_lens=lens, out=task.out, workspace=graph.workspace)
+                torch.npu.graph_task_update_end(stream)
+                task.event.record(stream)
+
+
+class NpuOpTable(OpTable):
+    name = "npu"
+
+    def __init__(self) -> None:
+        torch_npu()  # ImportError here, where the table is chosen, when torch_npu is absent
+        self.attention = NpuAttentionBackend()
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch_npu().npu_rms_norm(x, weight, eps)[0]
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        y, _, s = torch_npu().npu_add_rms_norm(x, residual, weight, eps)
+        return y, s
+
+    def apply_rotary(self, q, k, cos, sin):
+        npu = torch_npu()
+        c, s = cos[None, :, None, :], sin[None, :, None, :]  # [1, T, 1, D]
+        q = npu.npu_rotary_mul(q.unsqueeze(0), c, s)[0]  # [1, T, H, D] -> [T, H, D]
+        k = npu.npu_rotary_mul(k.unsqueeze(0), c, s)[0]
+        return q, k
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch_npu().npu_swiglu(x, dim=-1)
