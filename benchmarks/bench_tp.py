@@ -10,14 +10,19 @@ the time rank 0 spends inside collectives per step (all-reduces after o_proj and
 down_proj in every layer, the embedding's all-reduce, the logits gather, the ids
 broadcast: on the CPU gloo's host time, waits for the other rank included), the bytes
 those collectives move per step, and the bytes the driver pulls per decode step (the
-StepResult of rank 0 only, so it must not change with TP). A script, not a test.
+StepResult of rank 0 only, so it must not change with TP). Then the same collectives
+alone, with no model between them (two processes, gloo, one thread each), so their own
+cost can be told apart from the wait for the other rank inside a real step. A script,
+not a test.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import multiprocessing as mp
 import random
+import statistics
 import time
 
 import ray
@@ -25,7 +30,7 @@ import ray
 import cluster
 from cluster import SamplingParams
 from workers.loader import is_random_spec, load_config, parse_random_spec, random_spec_config
-from workers.parallel import padded_vocab
+from workers.parallel import ParallelConfig, TensorParallel, free_port, padded_vocab
 
 CONFIGS = [(1, 2), (2, 1)]  # (tensor_parallel_size, threads per worker)
 
@@ -73,6 +78,40 @@ def run(model: str, tp: int, threads: int, batch: int, prompt_len: int, new_toke
     return best
 
 
+def _collectives_rank(rank: int, port: int, config, batch: int, iters: int, out) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    tp = TensorParallel.join(ParallelConfig(rank, 2, "127.0.0.1", port), "cpu")
+    hidden = torch.randn(batch, config.hidden_size)
+    logits = torch.randn(batch, padded_vocab(config.vocab_size, 2) // 2)
+    ids = torch.zeros(batch, dtype=torch.int32)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        for _ in range(2 * config.num_hidden_layers + 1):  # o_proj and down_proj per layer, the embedding
+            tp.all_reduce(hidden)
+        tp.gather_to_first(logits)
+        tp.broadcast(ids)
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        out.put(1e3 * statistics.median(times))
+    tp.close()
+
+
+def collectives_only_ms(config, batch: int, iters: int = 30) -> float:
+    """Median ms of one decode step's collectives for `batch` rows, with nothing else running."""
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port("127.0.0.1")
+    procs = [ctx.Process(target=_collectives_rank, args=(r, port, config, batch, iters, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    ms = out.get(timeout=600)
+    for p in procs:
+        p.join()
+    return ms
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="random:qwen3-0.6b?layers=4")
@@ -99,6 +138,9 @@ def main() -> None:
               f"collectives {100 * two['collective_ms'] / two['step_ms']:.0f}% of a TP=2 step; "
               f"same outputs: {one['outputs'] == two['outputs']}")
     ray.shutdown()
+    for batch in [int(b) for b in a.batches.split(",")]:
+        print(f"{batch:>5} the step's collectives alone (2 processes, gloo): "
+              f"{collectives_only_ms(config, batch):.2f} ms")
 
 
 if __name__ == "__main__":
