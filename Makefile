@@ -31,5 +31,10 @@ test-fast: venv
 lint: venv
 	$(BIN)/ruff check .
 
+# `ray up` of deploy/ascend-cluster.yaml on loopback nodes of this machine (root + apt).
+.PHONY: test-deploy
+test-deploy: venv
+	$(BIN)/python -m pytest -q -m deploy -s tests/deploy
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -83,7 +83,14 @@ def raylm_steppers(model, ops, batch: int, context: int, block_size: int, graph_
             graphs.run(ids, positions, decode_meta(batch, context, block_size, per_seq, device))
         synchronize(device)
 
-    return {"eager": eager, "graph": graph}, report
+    def max_diff() -> float:
+        """|graph logits - eager logits| on the same inputs (both rewrite the same cache slot)."""
+        eager()
+        want = logits.clone()
+        graph()
+        return float((logits - want).abs().max())
+
+    return {"eager": eager, "graph": graph}, report, max_diff
 
 
 def main() -> None:
@@ -98,8 +105,6 @@ def main() -> None:
     args = ap.parse_args()
     shape = {}
     if args.dry_run:
-        import pytest  # noqa: F401  (the emulations live with the tests)
-
         from tests.workers import flashinfer_emulation
         from tests.workers.fake_graphs import FakeGraphDevice
 
@@ -127,14 +132,14 @@ def main() -> None:
           f"{args.layers} layers, bf16, context {args.context}, block {args.block_size}, torch {torch.__version__}, "
           f"FlashInfer {'on' if flashinfer_on else 'missing'}; built in {time.perf_counter() - t0:.1f}s")
     print(f"{'batch':>5} {'eager ms':>9} {'graph ms':>9} {'hf ms':>8} {'hf/graph':>9} {'eager/graph':>12} "
-          f"{'capture':>24}")
+          f"{'capture':>20} {'|graph-eager|':>14}")
     for batch in (int(b) for b in args.batches.split(",")):
-        steppers, report = raylm_steppers(model, ops, batch, args.context, args.block_size, graph_device)
+        steppers, report, max_diff = raylm_steppers(model, ops, batch, args.context, args.block_size, graph_device)
         cache, steppers["hf"] = hf_stepper(hf, batch, args.context)
         t = measure(steppers, args.steps, args.warmup)
         print(f"{batch:>5} {t['eager'] * 1e3:>9.2f} {t['graph'] * 1e3:>9.2f} {t['hf'] * 1e3:>8.2f} "
               f"{t['hf'] / t['graph']:>9.2f} {t['eager'] / t['graph']:>12.2f} "
-              f"{report.seconds:>7.2f}s {report.memory_bytes / 2**20:>9.1f} MiB", flush=True)
+              f"{report.seconds:>7.2f}s {report.memory_bytes / 2**20:>8.1f} MiB {max_diff():>14.2e}", flush=True)
         del cache, steppers
 
 

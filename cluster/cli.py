@@ -24,12 +24,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (CPU)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads-per-worker", type=int, default=None)
+    p.add_argument("--accelerator-resource", default=None,
+                   help="Ray resource each worker takes one of (default: NPU for npu, GPU for cuda, none for cpu); "
+                        "e.g. NPU with --device cpu places CPU workers as they would be placed on NPUs")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     kw = dict(model=a.model, device=a.device, num_replicas=a.replicas, dtype=a.dtype,
               num_kv_blocks=a.num_kv_blocks, max_model_len=a.max_model_len, threads_per_worker=a.threads_per_worker,
-              tensor_parallel_size=a.tensor_parallel_size)
+              accelerator_resource=a.accelerator_resource, tensor_parallel_size=a.tensor_parallel_size)
     return kw
 
 
@@ -106,6 +109,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_up(a: argparse.Namespace) -> int:
+    from cluster.launcher import up
+
+    return up(a.config, a.ray_up_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raylm", description="Serve Qwen3 from a Ray cluster")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -133,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set RAYLM_API_KEY)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20)
     s.set_defaults(func=cmd_serve)
+
+    u = sub.add_parser("up", help="check a cluster YAML (validation, SSH to the head), then run `ray up` on it")
+    u.add_argument("config", help="cluster YAML, e.g. deploy/ascend-cluster.yaml")
+    u.add_argument("ray_up_args", nargs=argparse.REMAINDER, help="passed on to `ray up` (e.g. -y)")
+    u.set_defaults(func=cmd_up)
 
     from cluster.bench import add_parser as add_bench_parser  # the CLI is the one importer of cluster.bench
 

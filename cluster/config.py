@@ -1,24 +1,20 @@
-"""EngineConfig: every knob of a launched engine, validated in one place."""
+"""EngineConfig: every knob of a launched engine, validated once, and the settings derived from it.
+
+Users set EngineConfig (Python kwargs, CLI flags, `raylm serve`). The scheduler's
+settings (SchedulerConfig) and each worker's (RunnerConfig) are derived here and nowhere
+else: `scheduler_config()` and `runner_config()`. Those two are plain dataclasses that
+trust what they are given. Adding a knob means a field here, its line in the derivation,
+and its consumer.
+"""
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import asdict, dataclass, fields
 
-DEVICES = ("cpu", "cuda", "npu")
-DTYPES = ("float32", "bfloat16", "float16")
-_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
-
-
-def _int_at_least(name: str, value, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-
-
-def _positive_number(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
+from scheduler.checks import check_bool, check_fraction, check_int, check_positive
+from scheduler.scheduler_config import SchedulerConfig
+from workers.runner_config import DEVICE_KINDS, RunnerConfig, canonical_dtype, device_outputs_enabled
 
 
 @dataclass
@@ -68,41 +64,30 @@ class EngineConfig:
             raise ValueError(f"model must be a checkpoint directory path or None, got {self.model!r}")
         if self.model is not None:
             self.model = os.path.expanduser(self.model)
-        if self.device not in DEVICES:
-            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.device not in DEVICE_KINDS:
+            raise ValueError(f"device must be one of {DEVICE_KINDS}, got {self.device!r}")
         if self.dtype is not None:
-            dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
-            if dtype not in DTYPES:
-                raise ValueError(f"dtype must be one of {DTYPES} or None, got {self.dtype!r}")
-            self.dtype = dtype
-        _int_at_least("num_replicas", self.num_replicas, 1)
-        _int_at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
-        _int_at_least("block_size", self.block_size, 1)
-        if self.num_kv_blocks is not None:
-            _int_at_least("num_kv_blocks", self.num_kv_blocks, 2)
-        if isinstance(self.memory_fraction, bool) or not isinstance(self.memory_fraction, (int, float)) \
-                or not 0 < self.memory_fraction <= 1:
-            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
-        _int_at_least("max_num_seqs", self.max_num_seqs, 1)
-        _int_at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        if self.max_model_len is not None:
-            _int_at_least("max_model_len", self.max_model_len, 2)
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
-        if self.pipeline_depth not in (1, 2) or isinstance(self.pipeline_depth, bool):
-            raise ValueError(f"pipeline_depth must be 1 (off) or 2, got {self.pipeline_depth!r}")
-        if self.device_outputs is not None and not isinstance(self.device_outputs, bool):
-            raise ValueError(f"device_outputs must be a bool or None, got {self.device_outputs!r}")
-        if self.threads_per_worker is not None:
-            _int_at_least("threads_per_worker", self.threads_per_worker, 1)
-        _int_at_least("seed", self.seed, 0)
+            self.dtype = canonical_dtype(self.dtype)
+        check_int("num_replicas", self.num_replicas, 1)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        check_int("block_size", self.block_size, 1)
+        check_int("num_kv_blocks", self.num_kv_blocks, 2, optional=True)
+        check_fraction("memory_fraction", self.memory_fraction)
+        check_int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        check_int("max_model_len", self.max_model_len, 2, optional=True)
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_int("pipeline_depth", self.pipeline_depth, 1, 2)
+        check_bool("device_outputs", self.device_outputs, optional=True)
+        check_int("threads_per_worker", self.threads_per_worker, 1, optional=True)
+        check_int("seed", self.seed, 0)
         if self.accelerator_resource is not None and (
                 not isinstance(self.accelerator_resource, str) or not self.accelerator_resource):
             raise ValueError(f"accelerator_resource must be a resource name or None, got {self.accelerator_resource!r}")
-        _positive_number("step_timeout_s", self.step_timeout_s)
-        _int_at_least("max_worker_restarts", self.max_worker_restarts, 0)
-        _int_at_least("max_waiting_requests", self.max_waiting_requests, 1)
-        _positive_number("start_timeout_s", self.start_timeout_s)
+        check_positive("step_timeout_s", self.step_timeout_s)
+        check_int("max_worker_restarts", self.max_worker_restarts, 0)
+        check_int("max_waiting_requests", self.max_waiting_requests, 1)
+        check_positive("start_timeout_s", self.start_timeout_s)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -114,3 +99,29 @@ class EngineConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    # ---- derived settings: the one place they are mapped ----
+    def runner_config(self, replica_index: int, *, model_path: str, num_threads: int) -> RunnerConfig:
+        """Replica `replica_index`'s worker settings. `model_path` is the resolved model
+        (the bundled one when `model` is None), `num_threads` the torch threads of a CPU
+        worker. RAYLM_DEVICE_OUTPUTS is read here, once."""
+        return RunnerConfig(
+            model=model_path, device=self.device, dtype=self.dtype, block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks, memory_fraction=self.memory_fraction,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len, device_outputs=device_outputs_enabled(self.device_outputs),
+            seed=self.seed + replica_index, num_threads=num_threads if self.device == "cpu" else None,
+        )
+
+    def scheduler_config(self, *, num_blocks: int, max_model_len: int) -> SchedulerConfig:
+        """A replica's scheduling limits, given what its worker reported at start: the KV
+        pool it allocated and the max_model_len it resolved."""
+        return SchedulerConfig(
+            num_blocks=num_blocks, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=max_model_len,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+
+    def pipeline_depth_for(self, device_outputs: bool) -> int:
+        """Steps in flight per replica: host-logits mode needs each step's ids before the next."""
+        return self.pipeline_depth if device_outputs else 1

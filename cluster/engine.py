@@ -1,19 +1,26 @@
 """Engine: the driver side of raylm. Tokenizes, validates, routes requests to replicas,
 detokenizes their tokens, applies stop strings and streams deltas to callers.
 
-Threads: each Replica runs its own loop thread; `_on_updates` runs on that thread while
-it holds the replica's lock, and `abort` takes the same lock, so one request's
-state is only ever touched under its replica's lock.
+Data flows one way: requests go down (`add_request` -> `Replica.add`), outputs come up
+(each replica's loop thread calls `_on_updates` with no replica lock held), and what
+the engine decides about a running request (an abort, a stop string) goes back down as
+a message (`Replica.post_finish`), never as a call into the replica's state.
+
+Threads: callers (add_request, abort, shutdown) and every replica's loop thread meet in
+`self._lock`, a plain Lock that guards `_requests` and each request's detokenizer and
+stream. Lock order: the engine's before a replica's, never the other way round (a
+replica emits with its own lock released).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cluster.config import EngineConfig
 from cluster.detokenizer import IncrementalDetokenizer
@@ -24,6 +31,7 @@ from cluster.placement import create_replica_groups, default_threads, release, w
 from cluster.replica import Replica
 from cluster.router import Router
 from cluster.stream import RequestStream
+from scheduler.checks import is_int
 from scheduler.request import FinishReason, Request, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -38,6 +46,9 @@ class _RequestState:
     replica: Replica
     logprobs: list[TokenLogprob] | None
     stop_reason: str | int | None = None
+    # the tokens delivered so far: the replica's thread may have appended more to
+    # request.output_token_ids by the time the engine finalizes (an abort)
+    token_ids: list[int] = field(default_factory=list)
 
 
 class Engine:
@@ -51,6 +62,7 @@ class Engine:
         self.max_model_len = 0
         self.vocab_size = 0
         self.device_outputs = True
+        self._lock = threading.Lock()  # guards _requests and each state's detok / stream
         self.started_at = time.time()
         self.metrics = EngineMetrics(self.stats)
         self._router = Router(prefix_caching=config.enable_prefix_caching,
@@ -68,7 +80,6 @@ class Engine:
             random_spec_config,
         )
         from workers.parallel import check_shardable
-        from workers.runner_config import device_outputs_enabled
 
         cfg = self.config
         self.model_path = cfg.model or bundled_model_path()
@@ -80,27 +91,14 @@ class Engine:
             check_shardable(load_config(self.model_path), tp)  # before any actor starts
             self.tokenizer = load_tokenizer(self.model_path)
             self.eos_token_ids = frozenset(eos_token_ids(self.model_path))
-        self.device_outputs = device_outputs_enabled(cfg.device_outputs)
         threads = cfg.threads_per_worker or (default_threads(cfg.num_replicas, tp) if cfg.device == "cpu" else 1)
         resources = worker_resources(cfg.device, threads, cfg.accelerator_resource)
+        runner_configs = [cfg.runner_config(i, model_path=self.model_path, num_threads=threads)
+                          for i in range(cfg.num_replicas)]
+        self.device_outputs = runner_configs[0].device_outputs
         groups = create_replica_groups(resources, cfg.num_replicas, cfg.start_timeout_s, tp)
-        host_sampler = None
-        if not self.device_outputs:
-            import torch
-
-            from workers.sampler import Sampler
-
-            host_sampler = Sampler(torch.device("cpu"), seed=cfg.seed)
-        for i, pg in enumerate(groups):
-            runner_config = {
-                "model": self.model_path, "device": cfg.device, "dtype": cfg.dtype,
-                "block_size": cfg.block_size, "num_kv_blocks": cfg.num_kv_blocks,
-                "memory_fraction": cfg.memory_fraction, "max_num_seqs": cfg.max_num_seqs,
-                "max_num_batched_tokens": cfg.max_num_batched_tokens, "max_model_len": cfg.max_model_len,
-                "device_outputs": self.device_outputs, "seed": cfg.seed + i,
-                "num_threads": threads if cfg.device == "cpu" else None,
-            }
-            self.replicas.append(Replica(i, cfg, runner_config, resources, pg, self._on_updates, host_sampler))
+        for i, (pg, runner_config) in enumerate(zip(groups, runner_configs)):
+            self.replicas.append(Replica(i, cfg, runner_config, resources, pg, self._on_updates))
         try:
             with ThreadPoolExecutor(len(self.replicas)) as pool:
                 list(pool.map(Replica.start, self.replicas))
@@ -119,8 +117,9 @@ class Engine:
     def shutdown(self) -> None:
         for rep in self.replicas:
             rep.shutdown()
-        for st in list(self._requests.values()):
-            self._finalize(st, FinishReason.ABORT, error="engine shut down")
+        with self._lock:
+            for st in list(self._requests.values()):
+                self._finalize(st, FinishReason.ABORT, error="engine shut down")
         self.replicas = []
 
     # ---- requests ----
@@ -139,7 +138,7 @@ class Engine:
                 raise ValueError("prompt must not be empty")
             self._need_tokenizer("text prompts")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
             if not prompt:
                 raise ValueError("prompt must not be empty")
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
@@ -170,7 +169,7 @@ class Engine:
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self._requests:
+        if request_id in self._requests:  # checked again under the lock below
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids)
         replica = self._router.pick(self.replicas, ids)
@@ -184,45 +183,56 @@ class Engine:
         detok = _NoText() if self.tokenizer is None else IncrementalDetokenizer(
             self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop)
         st = _RequestState(request, text, detok, stream, replica, [] if params.logprobs is not None else None)
-        self._requests[request_id] = st
-        try:
-            replica.add(request)
-        except BaseException:
-            self._requests.pop(request_id, None)
-            raise
+        with self._lock:  # held through replica.add, so an abort cannot slip in between
+            if request_id in self._requests:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._requests[request_id] = st
+            try:
+                replica.add(request)
+            except BaseException:
+                del self._requests[request_id]
+                raise
         return stream
 
     def abort(self, request_id: str) -> bool:
-        st = self._requests.get(request_id)
-        if st is None:
-            return False
-        with st.replica.lock:
-            if st.replica.abort(request_id) is None or request_id not in self._requests:
+        """Finish a request now (its stream ends with finish_reason "abort"); its replica
+        frees its blocks before planning its next step. False if it is not running."""
+        with self._lock:
+            st = self._requests.get(request_id)
+            if st is None:
                 return False
-            self._finalize(st, FinishReason.ABORT)
+            self._finalize(st, FinishReason.ABORT, finish_time=time.monotonic())
+        st.replica.post_finish(request_id, FinishReason.ABORT)
         return True
 
-    # ---- outputs (replica thread, under replica.lock) ----
+    # ---- outputs (a replica's loop thread, no replica lock held) ----
     def _on_updates(self, replica: Replica, updates) -> None:
-        for u in updates:
-            st = self._requests.get(u.request.request_id)
-            if st is None:
-                continue
-            req = u.request
-            logprobs = None
-            if st.logprobs is not None and u.new_logprobs:
-                logprobs = [self._token_logprob(lp) for lp in u.new_logprobs]
-                st.logprobs.extend(logprobs)
-            finished = u.finished
-            if u.new_token_ids and st.detok.append(u.new_token_ids) is not None and not finished:
-                replica.finish(req.request_id, FinishReason.STOP)
-                finished = True
-            if finished:
-                self._finalize(st, req.finish_reason or FinishReason.STOP, new_ids=u.new_token_ids, logprobs=logprobs)
-                continue
-            text = st.detok.take_delta()
-            if text or u.new_token_ids:
-                st.stream.put(StreamDelta(req.request_id, text, list(u.new_token_ids), logprobs))
+        with self._lock:
+            for u in updates:
+                self._on_update(replica, u)
+
+    def _on_update(self, replica: Replica, u) -> None:
+        st = self._requests.get(u.request.request_id)
+        if st is None:
+            return  # aborted meanwhile: the replica drops it when it reads the message
+        req = u.request
+        logprobs = None
+        if st.logprobs is not None and u.new_logprobs:
+            logprobs = [self._token_logprob(lp) for lp in u.new_logprobs]
+            st.logprobs.extend(logprobs)
+        st.token_ids += u.new_token_ids
+        stopped = bool(u.new_token_ids) and st.detok.append(u.new_token_ids) is not None  # a stop string
+        if u.finished:
+            self._finalize(st, req.finish_reason or FinishReason.STOP, new_ids=u.new_token_ids, logprobs=logprobs)
+            return
+        if stopped:
+            replica.post_finish(req.request_id, FinishReason.STOP)  # the replica frees it before its next plan
+            self._finalize(st, FinishReason.STOP, new_ids=u.new_token_ids, logprobs=logprobs,
+                           finish_time=time.monotonic())
+            return
+        text = st.detok.take_delta()
+        if text or u.new_token_ids:
+            st.stream.put(StreamDelta(req.request_id, text, list(u.new_token_ids), logprobs))
 
     def _token_logprob(self, lp) -> TokenLogprob:
         text = self._token_text
@@ -233,14 +243,16 @@ class Engine:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
 
     def _finalize(self, st: _RequestState, reason: FinishReason, *, new_ids=(), logprobs=None,
-                  error: str | None = None) -> None:
+                  error: str | None = None, finish_time: float | None = None) -> None:
+        """The request's last delta. `finish_time` when the engine ended it (abort, stop
+        string) before its replica did; otherwise the scheduler's."""
         req = st.request
         if self._requests.pop(req.request_id, None) is None:
             return
         if st.detok.stop_reason is not None:
             st.stop_reason = st.detok.stop_reason
-        elif req.output_token_ids and req.output_token_ids[-1] in req.params.stop_token_ids:
-            st.stop_reason = req.output_token_ids[-1]
+        elif st.token_ids and st.token_ids[-1] in req.params.stop_token_ids:
+            st.stop_reason = st.token_ids[-1]
         st.detok.flush()
         text = st.detok.take_delta(final=True)
         reason_value = reason.value if isinstance(reason, FinishReason) else str(reason)
@@ -249,12 +261,12 @@ class Engine:
             prompt=st.prompt,
             prompt_token_ids=req.prompt_token_ids,
             text=st.detok.text,
-            token_ids=list(req.output_token_ids),
+            token_ids=list(st.token_ids),
             finish_reason=reason_value,
             stop_reason=st.stop_reason,
             logprobs=st.logprobs,
             error=error or req.error,
-            metrics=_metrics(req),
+            metrics=_metrics(req, req.finish_time if finish_time is None else finish_time),
         )
         self.metrics.observe_finished(reason_value, output.metrics.ttft, output.metrics.tpot)
         st.stream.put(StreamDelta(req.request_id, text, list(new_ids), logprobs, reason_value, output))
@@ -286,7 +298,7 @@ class Engine:
         total["tensor_parallel_size"] = self.config.tensor_parallel_size
         total["replicas_alive"] = sum(1 for r in self.replicas if not r.dead)
         total["device_outputs"] = self.device_outputs
-        total["pipeline_depth"] = self.config.pipeline_depth if self.device_outputs else 1
+        total["pipeline_depth"] = self.config.pipeline_depth_for(self.device_outputs)
         total["model"] = self.model_path
         total["device"] = self.config.device
         total["max_model_len"] = self.max_model_len
@@ -310,10 +322,10 @@ class _NoText:
         return ""
 
 
-def _metrics(req: Request) -> RequestMetrics:
-    latency = req.finish_time - req.arrival_time if req.finish_time is not None else None
+def _metrics(req: Request, finish_time: float | None) -> RequestMetrics:
+    latency = finish_time - req.arrival_time if finish_time is not None else None
     return RequestMetrics(
-        arrival_time=req.arrival_time, first_token_time=req.first_token_time, finish_time=req.finish_time,
+        arrival_time=req.arrival_time, first_token_time=req.first_token_time, finish_time=finish_time,
         ttft=req.ttft, tpot=req.tpot, latency=latency,
         num_cached_tokens=req.num_cached_tokens, num_preemptions=req.num_preemptions,
     )

@@ -29,9 +29,6 @@ class EngineActor:
         self._ready = True
         return self.info()
 
-    def ready(self) -> bool:
-        return self._ready
-
     def info(self) -> dict:
         e = self.engine
         return {"config": e.config.to_dict(), "model_path": e.model_path, "max_model_len": e.max_model_len,

@@ -8,6 +8,7 @@ import sys
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 from cluster.outputs import RequestOutput, StreamDelta
+from scheduler.checks import is_int
 from scheduler.request import SamplingParams
 
 Prompt = str | list[int]
@@ -136,8 +137,7 @@ class LLMHandle:
 def _is_single(prompts) -> bool:
     if isinstance(prompts, str):
         return True
-    return isinstance(prompts, (list, tuple)) and bool(prompts) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompts)
+    return isinstance(prompts, (list, tuple)) and bool(prompts) and all(is_int(t) for t in prompts)
 
 
 def _one(params):

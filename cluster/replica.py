@@ -11,11 +11,21 @@ tokens, so the worker never waits on the driver. An idle replica blocks on an Ev
 polling). A worker that dies, raises or hangs past the step timeout is replaced and every
 unfinished request is recomputed from its prompt and the tokens it already has; after
 `max_worker_restarts` failed attempts the replica's requests finish with an error.
+
+Data flows one way. Requests come in through `add` (which raises at once on a request the
+scheduler refuses). Outputs go out through `emit(replica, updates)`, called on the loop
+thread with no lock held; it must not call back into the replica except to post a message.
+Aborts and stop-string finishes come back as messages (`post_finish`), drained by the loop
+before it plans the next step (and by any reader of the scheduler's state before it reads).
+`self._lock` (a plain Lock) only keeps the scheduler consistent between the loop and the
+callers of add / load / snapshot.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -28,9 +38,10 @@ from cluster.config import EngineConfig
 from cluster.errors import EngineDeadError
 from cluster.placement import release, scheduling_strategy
 from scheduler.protocol import StepResult, pack_int32, sampled_on_device
-from scheduler.request import Request
-from scheduler.scheduler import RequestUpdate, Scheduler, SchedulerConfig
+from scheduler.request import FinishReason, Request, RequestUpdate
+from scheduler.scheduler import Scheduler
 from workers.actor import remote_worker
+from workers.runner_config import RunnerConfig
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +61,17 @@ class ReplicaStats:
 
 
 class Replica:
-    def __init__(self, index: int, config: EngineConfig, runner_config: dict, resources, pg,
-                 on_updates, host_sampler=None):
+    def __init__(self, index: int, config: EngineConfig, runner_config: RunnerConfig, resources, pg, emit):
         self.index = index
         self.config = config
         self._runner_config = runner_config
         self._resources = resources
         self._pg = pg
-        self._on_updates = on_updates  # called on the loop thread with (replica, [RequestUpdate])
-        self._host_sampler = host_sampler  # a workers.sampler.Sampler when the driver samples
-        self._depth = config.pipeline_depth if host_sampler is None else 1
-        self.lock = threading.RLock()  # guards the scheduler
+        self._emit = emit  # emit(replica, [RequestUpdate]): the loop thread's outputs, no lock held
+        self._host_sampler = None  # host-logits mode: this replica's own Sampler (start() makes it)
+        self._depth = config.pipeline_depth_for(runner_config.device_outputs)
+        self._lock = threading.Lock()  # guards the scheduler
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (request_id, FinishReason) to finish
         self._wakeup = threading.Event()
         self._stopping = False
         self.dead = False
@@ -72,15 +83,16 @@ class Replica:
 
     # ---- lifecycle ----
     def start(self) -> None:
+        if not self._runner_config.device_outputs:
+            import torch  # the driver samples: it needs torch's CPU sampler
+
+            from workers.sampler import Sampler
+
+            # one per replica: a Sampler's generators must not be shared across loop threads
+            self._host_sampler = Sampler(torch.device("cpu"), seed=self._runner_config.seed)
         self.info = self._start_worker()
-        self.scheduler = Scheduler(SchedulerConfig(
-            num_blocks=self.info["num_kv_blocks"],
-            block_size=self.config.block_size,
-            max_num_seqs=self.config.max_num_seqs,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
-            max_model_len=self.info["max_model_len"],
-            enable_prefix_caching=self.config.enable_prefix_caching,
-        ))
+        self.scheduler = Scheduler(self.config.scheduler_config(
+            num_blocks=self.info["num_kv_blocks"], max_model_len=self.info["max_model_len"]))
         self._thread = threading.Thread(target=self._loop, name=f"raylm-replica-{self.index}", daemon=True)
         self._thread.start()
 
@@ -104,8 +116,8 @@ class Replica:
             parallel = [dict(rank=r, world_size=tp, master_addr=address, master_port=port, timeout_s=timeout)
                         for r in range(tp)]
         self.workers = workers  # set before start: a failed start is killed by _kill_worker
-        infos = ray.get([w.start.remote(self._runner_config, p) for w, p in zip(workers, parallel)],
-                        timeout=cfg.start_timeout_s)
+        config = dataclasses.asdict(self._runner_config)  # a plain dict crosses to the actor
+        infos = ray.get([w.start.remote(config, p) for w, p in zip(workers, parallel)], timeout=cfg.start_timeout_s)
         info = dict(infos[0])
         info["ranks"] = [{k: i[k] for k in ("pid", "node_id", "visible_devices")} for i in infos]
         return info
@@ -128,33 +140,32 @@ class Replica:
 
     # ---- requests (any thread) ----
     def add(self, request: Request) -> None:
-        with self.lock:
+        """Queue `request`; raises (ValueError, EngineDeadError) when it cannot be served here."""
+        with self._lock:
             if self.dead:
                 raise EngineDeadError(f"replica {self.index} is down: its worker failed beyond the restart budget")
             self.scheduler.add_request(request)
         self._wakeup.set()
 
-    def abort(self, request_id: str) -> Request | None:
-        with self.lock:
-            req = self.scheduler.abort(request_id)
-        self._wakeup.set()
-        return req
-
-    def finish(self, request_id: str, reason) -> None:
-        with self.lock:
-            self.scheduler.finish(request_id, reason)
+    def post_finish(self, request_id: str, reason: FinishReason) -> None:
+        """Ask the loop to finish a request (an abort, a stop string): a message, applied
+        before the next plan; its blocks are freed then. Never blocks, takes no lock."""
+        self._inbox.put((request_id, reason))
         self._wakeup.set()
 
     def load(self) -> int:
-        with self.lock:
+        with self._lock:
+            self._drain_inbox()
             return self.scheduler.outstanding_tokens()
 
     def cached_prefix_tokens(self, token_ids: list[int]) -> int:
-        with self.lock:
+        with self._lock:
+            self._drain_inbox()
             return self.scheduler.cached_prefix_tokens(token_ids)
 
     def num_waiting(self) -> int:
-        with self.lock:
+        with self._lock:
+            self._drain_inbox()
             return self.scheduler.num_waiting
 
     # ---- the loop (its own thread) ----
@@ -162,7 +173,8 @@ class Replica:
         inflight: deque = deque()  # (plan, ObjectRef)
         while not self._stopping:
             self.stats.loop_iterations += 1
-            with self.lock:
+            with self._lock:
+                self._drain_inbox()
                 while len(inflight) < self._depth and not self.dead:
                     plan = self.scheduler.schedule()
                     if plan is None:
@@ -179,7 +191,9 @@ class Replica:
                 inflight.clear()
                 self._recover(e)
                 continue
-            self._apply(plan, data)
+            updates = self._apply(plan, data)
+            if updates:
+                self._emit(self, updates)  # no lock held: the engine may post_finish right back
 
     def _dispatch(self, data: bytes) -> list:
         """Send one plan's bytes (serialized once) to every rank; one ref per rank."""
@@ -205,7 +219,18 @@ class Replica:
                 data = value
         return data
 
-    def _apply(self, plan, data: bytes) -> None:
+    def _drain_inbox(self) -> None:
+        """Finish what the engine asked to (under the lock). The loop drains before it plans;
+        every reader of the scheduler drains first too, so what it sees reflects every
+        message posted before it looked (an aborted request's blocks are free by then)."""
+        while True:
+            try:
+                request_id, reason = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self.scheduler.finish(request_id, reason)  # None when it had finished already
+
+    def _apply(self, plan, data: bytes) -> list[RequestUpdate]:
         result = StepResult.from_bytes(data)
         s = self.stats
         s.steps += 1
@@ -215,15 +240,13 @@ class Replica:
             s.decode_steps += 1
             s.decode_rows += len(plan.rows)
             s.decode_bytes_pulled += len(data)
-        with self.lock:  # held through on_updates: one request's state changes under one lock
+        with self._lock:
             if not sampled_on_device(result):
                 self._sample_on_driver(result)
-            updates: list[RequestUpdate] = self.scheduler.update(result)
-            if updates:
-                self._on_updates(self, updates)
+            return self.scheduler.update(result)
 
     def _sample_on_driver(self, result: StepResult) -> None:
-        from workers.sampler import sample_host  # torch on the driver only in host-logits mode
+        from workers.sampler import sample_host
 
         rows = self.scheduler.sampling_rows(result.step_id)
         ids, logprobs = sample_host(result, rows, self._host_sampler)
@@ -245,16 +268,17 @@ class Replica:
                 error = e
                 log.warning("replica %d: restart failed: %s", self.index, e)
                 continue
-            with self.lock:
+            with self._lock:
+                self._drain_inbox()
                 self.scheduler.recover()
             return
 
     def _give_up(self, message: str) -> None:
         log.error("replica %d: giving up: %s", self.index, message)
-        with self.lock:
+        with self._lock:
             self.dead = True
             failed = self.scheduler.fail_all(message)
-            self._on_updates(self, [RequestUpdate(r, [], [], True) for r in failed])
+        self._emit(self, [RequestUpdate(r, [], [], True) for r in failed])
 
     def worker_stats(self) -> dict:
         try:
@@ -263,7 +287,8 @@ class Replica:
             return {"error": str(e)}
 
     def snapshot(self) -> dict:
-        with self.lock:
+        with self._lock:
+            self._drain_inbox()
             sched = self.scheduler.stats()
         s = self.stats
         return {

@@ -34,8 +34,11 @@ from dataclasses import dataclass, field
 
 import msgpack
 
+from scheduler.checks import check_int, is_int, is_number
+
 USE_RESIDENT = -1
 PROTOCOL_VERSION = 1
+MAX_LOGPROBS = 20  # top-n logprobs a request may ask for (SamplingParams.logprobs)
 
 if array("i").itemsize != 4 or sys.byteorder != "little":  # pragma: no cover
     raise ImportError("raylm's protocol assumes a little-endian platform with 32-bit C ints")
@@ -47,6 +50,23 @@ class ProtocolError(ValueError):
 
 def pack_int32(values) -> bytes:
     return array("i", values).tobytes()
+
+
+def check_sampling(p) -> None:
+    """ValueError naming the field of a sampling parameter out of its range. `p` is a
+    SamplingParams (checked when the user builds it) or a WorkerSampling (checked when a
+    worker admits the request it arrives with); both name these fields alike."""
+    if not is_number(p.temperature) or p.temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {p.temperature!r}")
+    if not is_int(p.top_k) or p.top_k < -1:
+        raise ValueError(f"top_k must be an integer >= -1 (-1 or 0 disables), got {p.top_k!r}")
+    if not is_number(p.top_p) or not 0 < p.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {p.top_p!r}")
+    if not is_number(p.min_p) or not 0 <= p.min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1], got {p.min_p!r}")
+    if p.seed is not None and not is_int(p.seed):
+        raise ValueError(f"seed must be an integer or None, got {p.seed!r}")
+    check_int("logprobs", p.logprobs, 0, MAX_LOGPROBS, optional=True)
 
 
 def unpack_int32(data: bytes) -> list[int]:
@@ -99,6 +119,13 @@ class WorkerSampling:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def check(self) -> None:
+        """ValueError naming the field that is out of range (the worker admits nothing else)."""
+        check_sampling(self)
+        check_int("ban_until", self.ban_until, 0)
+        if not all(is_int(t) and t >= 0 for t in self.banned_ids):
+            raise ValueError(f"banned_ids must be non-negative integers, got {self.banned_ids!r}")
+
     def _encode(self) -> list:
         return [self.temperature, self.top_k, self.top_p, self.min_p, self.seed,
                 self.logprobs, self.ban_until, list(self.banned_ids)]
@@ -139,10 +166,6 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(r.num_tokens for r in self.rows)
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.rows or self.finished or self.preempted)
 
     def to_bytes(self) -> bytes:
         return msgpack.packb(

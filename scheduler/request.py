@@ -3,23 +3,11 @@
 from __future__ import annotations
 
 import enum
-import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # pragma: no cover
-    from scheduler.protocol import WorkerSampling
-
-MAX_LOGPROBS = 20
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+from scheduler.checks import check_bool, check_int, is_int
+from scheduler.protocol import MAX_LOGPROBS, WorkerSampling, check_sampling  # noqa: F401  (MAX_LOGPROBS: re-exported)
 
 
 @dataclass
@@ -47,36 +35,22 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
+        check_int("max_tokens", self.max_tokens, 1, optional=True)
         cap = self.max_tokens if self.max_tokens is not None else float("inf")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= cap:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= cap:
             raise ValueError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                 f"got {self.min_tokens!r}"
             )
-        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= -1 (-1 or 0 disables), got {self.top_k!r}")
-        if not _is_number(self.top_p) or not (0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_number(self.min_p) or not (0 <= self.min_p <= 1):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        check_sampling(self)
         self.stop = self._normalize_stop(self.stop)
         if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = tuple(self.stop_token_ids)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        if not isinstance(self.skip_special_tokens, bool):
-            raise ValueError(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}")
+        check_bool("ignore_eos", self.ignore_eos)
+        check_bool("skip_special_tokens", self.skip_special_tokens)
 
     @staticmethod
     def _normalize_stop(stop) -> tuple[str, ...]:
@@ -167,8 +141,8 @@ class Request:
             raise ValueError(f"prompt must not be empty (request {self.request_id!r})")
         self.prompt_token_ids = list(self.prompt_token_ids)
         # ids travel as packed int32 on the wire
-        if not all(_is_int(t) and 0 <= t < 2**31 for t in self.prompt_token_ids):
-            bad = next(t for t in self.prompt_token_ids if not (_is_int(t) and 0 <= t < 2**31))
+        if not all(is_int(t) and 0 <= t < 2**31 for t in self.prompt_token_ids):
+            bad = next(t for t in self.prompt_token_ids if not (is_int(t) and 0 <= t < 2**31))
             raise ValueError(
                 f"prompt_token_ids must be integers in [0, 2**31) (request {self.request_id!r}), got {bad!r}"
             )

@@ -1,38 +1,22 @@
-"""SchedulerConfig: one replica's scheduling limits."""
+"""SchedulerConfig: one replica's scheduling limits.
+
+A plain dataclass that trusts its input: the engine derives it from a validated
+EngineConfig and what the worker reported (EngineConfig.scheduler_config).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 @dataclass
 class SchedulerConfig:
-    """One replica's scheduling limits. Validated on construction."""
-
     num_blocks: int  # KV blocks in the worker's pool
     block_size: int = 16  # tokens per block
     max_num_seqs: int = 64  # requests on the worker at once; also the number of slots
     max_num_batched_tokens: int = 2048  # tokens computed per step, all rows together
     max_model_len: int = 4096  # prompt + output tokens of one request
     enable_prefix_caching: bool = True
-
-    def __post_init__(self) -> None:
-        for name, lowest in (
-            ("num_blocks", 1),
-            ("block_size", 1),
-            ("max_num_seqs", 1),
-            ("max_num_batched_tokens", 1),
-            ("max_model_len", 2),
-        ):
-            value = getattr(self, name)
-            if not _is_int(value) or value < lowest:
-                raise ValueError(f"{name} must be an integer >= {lowest}, got {value!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
 
     @property
     def max_total_tokens(self) -> int:

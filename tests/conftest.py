@@ -9,10 +9,11 @@ import logging
 import pytest
 
 
-def pytest_collection_modifyitems(items) -> None:
+def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if "ray_session" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)
+    _deselect_deploy_unless_asked(config, items)
 
 
 @pytest.fixture(scope="session")
@@ -22,3 +23,15 @@ def ray_session():
     ray.init(num_cpus=2, resources={"NPU": 2}, include_dashboard=False, logging_level=logging.WARNING)
     yield ray
     ray.shutdown()
+
+
+def _deselect_deploy_unless_asked(config, items) -> None:
+    """Tests marked `deploy` install and start system services (sshd, a two-node Ray
+    cluster): they run only when asked for by marker (`make test-deploy`: -m deploy),
+    never as part of a plain `pytest` / `make test`, whatever other -m is given."""
+    if "deploy" in (config.getoption("markexpr") or ""):
+        return
+    kept = [item for item in items if item.get_closest_marker("deploy") is None]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept

@@ -63,9 +63,6 @@ class WorkerActor:
         result = self.runner.execute(StepPlan.from_bytes(plan_bytes))
         return result.to_bytes() if self.parallel.is_first else b""  # only rank 0's result is pulled
 
-    def check_health(self) -> bool:
-        return self.runner is not None
-
     def stats(self) -> dict:
         return self.runner.stats() if self.runner is not None else {}
 

@@ -15,7 +15,8 @@ import os
 
 import torch
 
-KINDS = ("cpu", "cuda", "npu")
+from scheduler.checks import check_fraction, check_int
+from workers.runner_config import DEVICE_KINDS as KINDS
 
 _DIST_BACKEND = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 _RAY_RESOURCE = {"cpu": None, "cuda": "GPU", "npu": "NPU"}
@@ -56,8 +57,7 @@ def _backend(device: torch.device):
 def torch_device(kind: str, index: int | None = None) -> torch.device:
     """The torch.device for `kind`; `index` counts among the visible devices (default 0)."""
     check_kind(kind)
-    if index is not None and (not isinstance(index, int) or isinstance(index, bool) or index < 0):
-        raise ValueError(f"device index must be an integer >= 0, got {index!r}")
+    check_int("device index", index, 0, optional=True)
     if kind == "cpu":
         return torch.device("cpu")
     if kind == "cuda":
@@ -88,6 +88,18 @@ def synchronize(device: torch.device) -> None:
     device = torch.device(device)
     if device.type != "cpu":
         _backend(device).synchronize(device)
+
+
+def record_event(device: torch.device):
+    """An event on `device`'s current stream; its `synchronize()` waits for the work queued
+    before it. None on the CPU, where work is done when it returns."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return None
+    backend = _backend(device)
+    event = backend.Event()
+    event.record(backend.current_stream(device))
+    return event
 
 
 def _cpu_memory_info() -> tuple[int, int]:
@@ -138,21 +150,17 @@ def num_kv_blocks(
     exactly `cpu_blocks`, which must fit in the available memory.
     """
     device = torch.device(device)
-    if not isinstance(bytes_per_block, int) or isinstance(bytes_per_block, bool) or bytes_per_block <= 0:
-        raise ValueError(f"bytes_per_block must be a positive integer, got {bytes_per_block!r}")
+    check_int("bytes_per_block", bytes_per_block, 1)
     free, total = memory_info(device)
     if device.type == "cpu":
-        if not isinstance(cpu_blocks, int) or isinstance(cpu_blocks, bool) or cpu_blocks <= 0:
-            raise ValueError(f"cpu_blocks must be a positive integer on the CPU, got {cpu_blocks!r}")
+        check_int("cpu_blocks", cpu_blocks, 1)
         if cpu_blocks * bytes_per_block > free:
             raise ValueError(
                 f"cpu_blocks={cpu_blocks} needs {cpu_blocks * bytes_per_block} bytes "
                 f"but only {free} bytes of memory are available"
             )
         return cpu_blocks
-    if not isinstance(memory_fraction, (int, float)) or isinstance(memory_fraction, bool) \
-            or not 0 < memory_fraction <= 1:
-        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
+    check_fraction("memory_fraction", memory_fraction)
     used = total - free
     budget = int(total * memory_fraction) - used
     blocks = budget // bytes_per_block
@@ -173,8 +181,7 @@ def set_cpu_threads(n: int | None) -> None:
     """
     if n is None:
         n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"cpu threads must be a positive integer or None, got {n!r}")
+    check_int("cpu threads", n, 1)
     torch.set_num_threads(n)
     try:
         torch.set_num_interop_threads(1)

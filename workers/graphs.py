@@ -140,7 +140,7 @@ class DecodeGraphs:
         if not 0 <= pad_block < kv_cache.num_blocks:
             raise ValueError(f"pad_block must be a block of the cache (0..{kv_cache.num_blocks - 1}), got {pad_block}")
         self.model, self.attention, self.kv_cache, self.outputs = model, attention, kv_cache, outputs
-        self.sizes = tuple(sizes)
+        self.sizes = tuple(sorted(set(sizes)))  # ascending: bucket_for takes the first that fits
         self.graph_device = graph_device
         self.pad_block, self.pad_slot = pad_block, pad_block * kv_cache.block_size
         self.vocab_size = vocab_size

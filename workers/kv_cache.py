@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import torch
 
+from scheduler.checks import check_int
+
 
 class KVCache:
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_int(name, value, 1)
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size

@@ -25,13 +25,11 @@ from safetensors import safe_open
 
 from workers.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from workers.parallel import SINGLE, TensorParallel, shard_of
+from workers.runner_config import DTYPE_ALIASES, DTYPE_NAMES, canonical_dtype
 
 ARCHITECTURE = "Qwen3ForCausalLM"
-DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}
+# every name a config may give (workers/runner_config.py) -> its torch dtype
+DTYPES = {name: getattr(torch, canonical_dtype(name)) for name in (*DTYPE_NAMES, *DTYPE_ALIASES)}
 # weights some checkpoints carry that the model recomputes
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -50,10 +48,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
         if dtype not in DTYPES.values():
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
         return dtype
-    key = str(dtype).removeprefix("torch.").lower()
-    if key not in DTYPES:
-        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    return DTYPES[key]
+    return DTYPES[canonical_dtype(str(dtype))]
 
 
 def _checkpoint_dir(path) -> Path:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 
 from scheduler.protocol import StepResult, sampled_on_device
+from workers.runner_config import DTYPE_NAMES
 
-LOGITS_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+LOGITS_DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # the dtypes logits travel in
 _DTYPE_NAMES = {v: k for k, v in LOGITS_DTYPES.items()}
 
 

@@ -12,13 +12,14 @@ import operator
 
 import torch
 
+from scheduler.checks import check_int
+
 MIN_BUCKET = 8
 
 
 def bucket(n: int) -> int:
     """The batch-size bucket for `n` rows: the next power of two, at least 8."""
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise ValueError(f"batch size must be an integer >= 0, got {n!r}")
+    check_int("batch size", n, 0)
     if n <= MIN_BUCKET:
         return MIN_BUCKET
     return 1 << (n - 1).bit_length()

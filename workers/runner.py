@@ -39,8 +39,10 @@ from workers.models.qwen3 import Qwen3ForCausalLM
 from workers.parallel import SINGLE, TensorParallel
 from workers.resident import ResidentOutputs
 from workers.runner_config import RunnerConfig, device_outputs_enabled
-from workers.sampler import Sampler, SamplingBatch, row_logprobs
+from workers.sampler import Sampler, row_logprobs
+from workers.slot_sampling import SlotSampling
 from workers.slot_table import SlotTable
+from workers.staging import StepStaging
 from workers.step_inputs import build_step_inputs
 
 DEFAULT_CPU_BLOCKS = 512
@@ -114,6 +116,8 @@ class ModelRunner:
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)  # [slots]
         self.outputs = ResidentOutputs(self.device)
         self.sampler = Sampler(self.device, seed=config.seed, buffers=self.outputs)  # its scratch is resident too
+        self.slot_sampling = SlotSampling(config.max_num_seqs, self.device)  # each slot's params, on the device
+        self.staging = StepStaging(self.device)  # the host buffer of each step's one copy, reused
         self.device_outputs = device_outputs_enabled(config.device_outputs)
         self.num_steps = 0
         self.num_tokens = 0
@@ -128,6 +132,9 @@ class ModelRunner:
             raise ValueError(f"step {plan.step_id} schedules {plan.num_tokens} tokens, "
                              f"more than max_num_batched_tokens {self.config.max_num_batched_tokens}")
         rows = self.slots.apply(plan)
+        if self.device_outputs:
+            for req in plan.new_requests:
+                self.slot_sampling.admit(req.slot, req.sampling)
         result = StepResult(step_id=plan.step_id, logits_shape=(0, 0 if self.device_outputs else self.vocab_size))
         if rows:
             with torch.inference_mode():
@@ -139,8 +146,16 @@ class ModelRunner:
 
     def _run(self, rows, result: StepResult) -> None:
         mc = self.model.config
+        upload = None
+        if self.device_outputs:  # the sampling rows' ints (and new requests' params) join the step's copy
+            sampling_rows = [w for w in rows if w.samples]
+            upload = self.slot_sampling.prepare([w.state.sampling for w in sampling_rows],
+                                                [w.start + w.num_tokens for w in sampling_rows],
+                                                [w.slot for w in sampling_rows])
         inputs = build_step_inputs(rows, block_size=self.config.block_size, last_tokens=self.last_tokens,
-                                   device=self.device)
+                                   staging=self.staging, sampling_ints=list(upload.ints.values()) if upload else (),
+                                   sampling_floats=list(upload.floats.values()) if upload else ())
+        batch = self.slot_sampling.finish(upload, inputs.sampling_ints, inputs.sampling_floats) if upload else None
         hidden_in = self.outputs.get_rows("next_hidden", inputs.num_tokens, (mc.hidden_size,), self.model.dtype)
         self.model.embed(inputs.input_ids, out=hidden_in)  # [T, hidden]
         hidden = self.model(hidden_in, inputs.positions, self.kv_cache, inputs.attn)  # [T, hidden]
@@ -157,7 +172,6 @@ class ModelRunner:
                 result.logits, result.logits_shape, result.logits_dtype = encode_logits(logits, self.vocab_size)
             return
         if logits is not None:
-            batch = SamplingBatch.build(inputs.sampling, inputs.sample_positions, self.device)
             out = self.sampler(logits, batch)
             ids = out.token_ids  # [B] int32
         else:
@@ -192,6 +206,7 @@ class ModelRunner:
             synchronize(self.device)
         finally:
             self.slots.clear()
+            self.slot_sampling.clear()
             self.last_tokens.zero_()
             self.num_steps, self.num_tokens = steps, tokens
             self.parallel.collective_s, self.parallel.num_collectives = collective
@@ -206,6 +221,7 @@ class ModelRunner:
             "resident_buffers": len(self.outputs),
             "resident_bytes": self.outputs.nbytes,
             "resident_allocations": self.outputs.num_allocations,
+            "staging_allocations": self.staging.num_allocations,  # host staging buffers allocated (grows only)
             "device": str(self.device),
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "weights_dtype": str(self.weights_dtype).removeprefix("torch."),

@@ -19,157 +19,17 @@ Logprobs come from the model's raw distribution, log_softmax of the unmodified l
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from scheduler.protocol import RowLogprobs, StepResult, WorkerSampling
 from workers.logits_codec import logits_tensor
 from workers.resident import ResidentOutputs
+from workers.sampling_batch import SamplingBatch
 
-MAX_LOGPROBS = 20
-SAMPLING_EPS = 1e-5  # temperatures below this are treated as greedy (1/T would overflow)
 TOP_P_CANDIDATES = 1024  # CPU: top-p first looks for the nucleus among this many tokens
 _TINY = torch.finfo(torch.float32).tiny
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def row_seed(seed: int, position: int) -> int:
-    """The generator seed for a seeded row: a stable 63-bit mix of (seed, position)."""
-    return _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64)) >> 1
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _in(x, lo: float, hi: float, lo_open: bool = False) -> bool:
-    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-    return ok and (lo < x if lo_open else lo <= x) and x <= hi
-
-
-def _check(sp: WorkerSampling, pos, i: int) -> None:
-    """ValueError naming the row and field for a parameter out of its range."""
-    for name, value, ok, want in [
-        ("position", pos, _is_int(pos) and pos >= 0, "an integer >= 0"),
-        ("temperature", sp.temperature, _in(sp.temperature, 0, math.inf), "a finite number >= 0"),
-        ("top_k", sp.top_k, _is_int(sp.top_k) and sp.top_k >= -1, "an integer >= -1 (-1 or 0 disables)"),
-        ("top_p", sp.top_p, _in(sp.top_p, 0, 1, lo_open=True), "in (0, 1]"),
-        ("min_p", sp.min_p, _in(sp.min_p, 0, 1), "in [0, 1]"),
-        ("seed", sp.seed, sp.seed is None or _is_int(sp.seed), "an integer or None"),
-        ("logprobs", sp.logprobs, sp.logprobs is None or (_is_int(sp.logprobs) and 0 <= sp.logprobs <= MAX_LOGPROBS),
-         f"None or an integer in [0, {MAX_LOGPROBS}]"),
-        ("banned_ids", sp.banned_ids, all(_is_int(t) and t >= 0 for t in sp.banned_ids), "non-negative integers"),
-    ]:
-        if not ok:
-            raise ValueError(f"row {i}: {name} must be {want}, got {value!r}")
-
-
-@dataclass
-class SamplingBatch:
-    """Per-row sampling policy, as device tensors. Index tensors are int64.
-
-    "Random rows" are the rows that are not greedy; their parameters are indexed by
-    position among the random rows ([R]). A `*_rows` tensor of None means "all of them".
-    """
-
-    size: int  # B
-    all_greedy: bool
-    random_idx: torch.Tensor | None = None  # [R] batch rows sampled at random (None: all or none)
-    num_random: int = 0
-    temperature: torch.Tensor | None = None  # [R] float32
-    top_k: torch.Tensor | None = None  # [K] int64, k of each top-k row
-    top_k_rows: torch.Tensor | None = None  # [K] positions among the random rows
-    top_k_max: int = 0
-    top_p: torch.Tensor | None = None  # [P] float32
-    top_p_rows: torch.Tensor | None = None  # [P]
-    top_p_within_k: bool = False  # every top-p row has top-k: its nucleus is among its top k
-    top_p_k_idx: torch.Tensor | None = None  # [P] those rows' positions among the top-k rows
-    log_min_p: torch.Tensor | None = None  # [M] float32, log(min_p)
-    min_p_rows: torch.Tensor | None = None  # [M]
-    seeded: list[tuple[int, int]] = field(default_factory=list)  # (position among random rows, seed)
-    any_unseeded: bool = False
-    ban_rows: torch.Tensor | None = None  # [N] with ban_ids: (row, id) pairs masked to -inf
-    ban_ids: torch.Tensor | None = None  # [N]
-    max_banned_id: int = -1
-    logprob_rows: list[int] = field(default_factory=list)  # batch rows that asked, ascending
-    logprob_n: list[int] = field(default_factory=list)  # top-n each of those rows asked for
-    logprob_idx: torch.Tensor | None = None  # [L] = logprob_rows, None when every row asked
-    max_logprobs: int = 0  # n_max over the rows that asked
-
-    @classmethod
-    def build(cls, params: list[WorkerSampling], positions: list[int], device: torch.device) -> SamplingBatch:
-        """positions[i] is the sequence position of the token row i samples."""
-        device = torch.device(device)
-        if len(params) != len(positions):
-            raise ValueError(f"got {len(params)} sampling params but {len(positions)} positions")
-        greedy, rand, temps = [], [], []
-        k_rows, ks, p_rows, ps, pk, m_rows, ms = [], [], [], [], [], [], []
-        seeded, any_unseeded, ban_r, ban_c, lp_rows, lp_n = [], False, [], [], [], []
-        for i, (sp, pos) in enumerate(zip(params, positions)):
-            _check(sp, pos, i)
-            if sp.banned_ids and pos < sp.ban_until:
-                ban_r += [i] * len(sp.banned_ids)
-                ban_c += sp.banned_ids
-            if sp.logprobs is not None:
-                lp_rows.append(i)
-                lp_n.append(sp.logprobs)
-            if sp.temperature < SAMPLING_EPS:
-                greedy.append(i)
-                continue
-            j = len(rand)
-            rand.append(i)
-            temps.append(float(sp.temperature))
-            if sp.top_k > 0:
-                k_rows.append(j)
-                ks.append(sp.top_k)
-            if sp.top_p < 1:
-                p_rows.append(j)
-                ps.append(float(sp.top_p))
-                pk.append(len(ks) - 1 if sp.top_k > 0 else -1)
-            if sp.min_p > 0:
-                m_rows.append(j)
-                ms.append(math.log(sp.min_p))
-            if sp.seed is None:
-                any_unseeded = True
-            else:
-                seeded.append((j, row_seed(sp.seed, pos)))
-        B, R = len(params), len(rand)
-
-        def some(rows, total):  # an index list, or None when it covers every row
-            return None if len(rows) == total else rows
-
-        within_k = bool(pk) and min(pk) >= 0
-        ints = dict(random_idx=rand if greedy and rand else None, top_k=ks or None,
-                    top_k_rows=some(k_rows, R) if ks else None, top_p_rows=some(p_rows, R) if ps else None,
-                    top_p_k_idx=some(pk, len(ks)) if within_k else None,
-                    min_p_rows=some(m_rows, R) if ms else None, ban_rows=ban_r or None, ban_ids=ban_c or None,
-                    logprob_idx=some(lp_rows, B) if lp_rows else None)
-        floats = dict(temperature=temps or None, top_p=ps or None, log_min_p=ms or None)
-        return cls(size=B, all_greedy=R == 0, num_random=R, top_k_max=max(ks, default=0), top_p_within_k=within_k,
-                   seeded=seeded, any_unseeded=any_unseeded, max_banned_id=max(ban_c, default=-1),
-                   logprob_rows=lp_rows, logprob_n=lp_n, max_logprobs=max(lp_n, default=0),
-                   **_to_device(ints, torch.int64, device), **_to_device(floats, torch.float32, device))
-
-
-def _to_device(lists: dict[str, list | None], dtype: torch.dtype, device: torch.device) -> dict:
-    """The lists as tensors on `device` (None stays None), copied in one transfer."""
-    present = {k: v for k, v in lists.items() if v is not None}
-    out = dict.fromkeys(lists)
-    if present:
-        flat = torch.tensor([x for v in present.values() for x in v], dtype=dtype)
-        # CUDA: pinned + non_blocking, so the copy does not wait for the queued forward
-        flat = flat.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flat.to(device)
-        out.update(zip(present, torch.split(flat, [len(v) for v in present.values()])))
-    return out
 
 
 @dataclass

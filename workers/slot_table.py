@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler.checks import check_int, is_int
 from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, WorkerSampling
 
 
@@ -78,12 +79,12 @@ class SlotTable:
 
     def _check_blocks(self, slot: int, blocks) -> None:
         for b in blocks:
-            if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < self.num_blocks:
+            if not is_int(b) or not 0 <= b < self.num_blocks:
                 raise ValueError(f"slot {slot}: block id {b!r} is outside [0, {self.num_blocks})")
 
     def _check_new(self, req: NewRequest, occupied: bool) -> SlotState:
         slot = req.slot
-        if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < self.max_num_seqs:
+        if not is_int(slot) or not 0 <= slot < self.max_num_seqs:
             raise ValueError(f"new request slot {slot!r} is outside [0, {self.max_num_seqs})")
         if occupied:
             raise ValueError(f"new request for slot {slot}, which still holds a request")
@@ -100,6 +101,10 @@ class SlotTable:
                              f"[0, {len(req.token_ids)}) (at least one token left to compute)")
         if not isinstance(req.sampling, WorkerSampling):
             raise ValueError(f"new request for slot {slot}: sampling must be a WorkerSampling")
+        try:  # validated once, here, where the request arrives: never again per step
+            req.sampling.check()
+        except ValueError as e:
+            raise ValueError(f"new request for slot {slot}: {e}") from None
         self._check_blocks(slot, req.block_table)
         if len(req.block_table) * self.block_size < req.num_computed:
             raise ValueError(f"new request for slot {slot}: {len(req.block_table)} blocks cannot hold "
@@ -114,8 +119,7 @@ class SlotTable:
         if state is None:
             raise ValueError(f"row for slot {slot!r}, which holds no request")
         n, start, known = row.num_tokens, state.num_computed, len(state.token_ids)
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"row for slot {slot}: num_tokens must be an integer >= 1, got {n!r}")
+        check_int(f"row for slot {slot}: num_tokens", n, 1)
         if row.token is None:
             if start + n > known:
                 raise ValueError(f"prefill row for slot {slot} asks for {n} tokens but only "

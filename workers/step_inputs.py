@@ -2,8 +2,9 @@
 
 The flat batch puts decode rows first (so attention answers them with one call), then
 every prefill chunk's tokens, each chunk in plan order. Sampling rows stay in plan order.
-All integer inputs are packed into one int64 host tensor, copied once, and split into
-views on the device.
+All integer inputs, and the caller's sampling parts (workers/slot_sampling.py), are packed
+into one int64 host buffer reused every step (workers/staging.py), copied once, and split
+into views on the device.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from scheduler.protocol import USE_RESIDENT, WorkerSampling
+from scheduler.protocol import USE_RESIDENT
 from workers.attention import AttentionMetadata, PrefillChunk
 from workers.slot_table import RowWork
+from workers.staging import StepStaging
 
 
 @dataclass
@@ -26,9 +28,9 @@ class StepInputs:
     logits_indices: torch.Tensor | None  # [B] rows of the flat batch that sample; None: all T, in order
     sample_slots: torch.Tensor  # [B] int64 slots of the sampling rows, in plan order
     slots: list[int]  # [B] the same, on the host
-    sample_positions: list[int]  # [B] position of each sampled token
-    sampling: list[WorkerSampling]  # [B]
     work: list[RowWork]  # [B] the sampling rows
+    sampling_ints: list[torch.Tensor]  # device views of the caller's `sampling_ints` parts (int64)
+    sampling_floats: list[torch.Tensor]  # device views of its `sampling_floats` parts (float32)
 
 
 def _slots_of(table: list[int], start: int, n: int, block_size: int) -> list[int]:
@@ -36,7 +38,8 @@ def _slots_of(table: list[int], start: int, n: int, block_size: int) -> list[int
 
 
 def build_step_inputs(rows: list[RowWork], *, block_size: int, last_tokens: torch.Tensor,
-                      device: torch.device) -> StepInputs:
+                      staging: StepStaging, sampling_ints: list[list[int]] = (),
+                      sampling_floats: list[list[float]] = ()) -> StepInputs:
     decode = [w for w in rows if w.is_decode]
     prefill = [w for w in rows if not w.is_decode]
     ids: list[int] = []
@@ -92,12 +95,9 @@ def build_step_inputs(rows: list[RowWork], *, block_size: int, last_tokens: torc
 
     parts = [ids, positions, slot_mapping, decode_tables, context_lens, chunk_blocks,
              resident_rows, resident_slots, [] if identity else logits_idx, sample_slots]
-    host = torch.tensor([x for part in parts for x in part], dtype=torch.int64)
-    if device.type != "cpu":
-        host = host.pin_memory()
-    packed = host.to(device, non_blocking=True)
+    ints, floats = staging.upload([*parts, *sampling_ints], sampling_floats)  # the step's one copy
     (t_ids, t_pos, t_slots, t_tables, t_ctx, t_chunk_blocks,
-     t_res_rows, t_res_slots, t_logits_idx, t_sample_slots) = torch.split(packed, [len(p) for p in parts])
+     t_res_rows, t_res_slots, t_logits_idx, t_sample_slots) = ints[:len(parts)]
 
     if resident_rows:
         t_ids.index_copy_(0, t_res_rows, last_tokens.index_select(0, t_res_slots))
@@ -114,6 +114,5 @@ def build_step_inputs(rows: list[RowWork], *, block_size: int, last_tokens: torc
     return StepInputs(
         num_tokens=len(ids), input_ids=t_ids, positions=t_pos, attn=attn,
         logits_indices=None if identity else t_logits_idx, sample_slots=t_sample_slots,
-        slots=sample_slots, sample_positions=[w.start + w.num_tokens for w in sampling_rows],
-        sampling=[w.state.sampling for w in sampling_rows], work=sampling_rows,
+        slots=sample_slots, work=sampling_rows, sampling_ints=ints[len(parts):], sampling_floats=floats,
     )

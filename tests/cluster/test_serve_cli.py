@@ -92,3 +92,16 @@ def _tail(f) -> str:
     f.flush()
     f.seek(0)
     return f.read()[-3000:]
+
+
+def test_accelerator_resource_flag_reaches_the_engine_config():
+    import cluster
+    from cluster.cli import _engine_kwargs
+
+    a = build_parser().parse_args(["serve", "--device", "cpu", "--accelerator-resource", "NPU"])
+    assert cluster.EngineConfig.from_kwargs(**_engine_kwargs(a)).accelerator_resource == "NPU"
+    a = build_parser().parse_args(["serve"])
+    assert cluster.EngineConfig.from_kwargs(**_engine_kwargs(a)).accelerator_resource is None
+    with pytest.raises(ValueError, match="accelerator_resource"):
+        cluster.EngineConfig.from_kwargs(**_engine_kwargs(build_parser().parse_args(
+            ["serve", "--accelerator-resource", ""])))

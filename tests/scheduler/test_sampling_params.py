@@ -6,7 +6,6 @@ import pytest
 
 from scheduler.protocol import WorkerSampling
 from scheduler.request import MAX_LOGPROBS, Request, SamplingParams
-from scheduler.scheduler import SchedulerConfig
 
 BAD_PARAMS = [
     ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 2.0), ("max_tokens", True), ("max_tokens", "8"),
@@ -74,13 +73,3 @@ def test_bad_request_raises_naming_the_field(prompt, field):
 def test_request_params_must_be_sampling_params():
     with pytest.raises(ValueError, match="params"):
         Request("bad", [1], params={"max_tokens": 3})
-
-
-@pytest.mark.parametrize("field,value", [
-    ("num_blocks", 0), ("num_blocks", 1.5), ("block_size", 0), ("max_num_seqs", 0), ("max_num_seqs", None),
-    ("max_num_batched_tokens", 0), ("max_model_len", 1), ("max_model_len", True), ("enable_prefix_caching", 1),
-])
-def test_bad_scheduler_config_raises_naming_the_field(field, value):
-    kwargs = {"num_blocks": 8, field: value}
-    with pytest.raises(ValueError, match=field):
-        SchedulerConfig(**kwargs)

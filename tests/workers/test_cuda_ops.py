@@ -11,7 +11,7 @@ from tests.workers import flashinfer_emulation
 from tests.workers.attention_cases import MIXED_BATCHES, clone_cache, make_case, oracle_attention, oracle_write
 from workers.ops.cuda import CudaAttentionBackend, CudaOpTable, flashinfer
 
-CASES = [(b, bs) for b in range(len(MIXED_BATCHES)) for bs in (16, 128)] + [(0, 1), (3, 5)]
+CASES = [(0, 16), (1, 128), (2, 16), (3, 128), (0, 1), (3, 5)]  # (batch, block size): FlashInfer takes any
 
 
 def _check(backend, case, tol=2e-2):

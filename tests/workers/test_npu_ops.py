@@ -15,7 +15,8 @@ import torch
 from tests.workers import npu_emulation
 from tests.workers.attention_cases import MIXED_BATCHES as BATCHES
 from tests.workers.attention_cases import clone_cache, make_case, oracle_attention, oracle_write
-from workers.ops.npu import DEFAULT_NPU_BLOCK_SIZE, NpuAttentionBackend, NpuOpTable, check_npu_block_size
+from workers.block_sizes import DEFAULT_NPU_BLOCK_SIZE, check_npu_block_size, default_block_size
+from workers.ops.npu import NpuAttentionBackend, NpuOpTable
 
 pytestmark = pytest.mark.npu_emulated
 
@@ -38,8 +39,8 @@ def _oracle(case):
     return oracle_attention(case.q, cache, 0, case.meta), cache
 
 
-CASES = [(b, bs, 4, 2) for b in range(len(BATCHES)) for bs in (16, 64, 128)]  # GQA groups of 2
-CASES += [(0, 16, 8, 1), (3, 128, 8, 1), (0, 128, 2, 2), (2, 16, 2, 2)]  # one KV head; no grouping
+CASES = [(b, bs, 4, 2) for b in range(len(BATCHES)) for bs in (16, 128)]  # GQA groups of 2
+CASES += [(0, 64, 8, 1), (3, 128, 2, 2)]  # one KV head; no grouping
 
 
 @pytest.mark.parametrize("batch,block_size,heads,kv_heads", CASES)
@@ -87,8 +88,9 @@ def test_block_sizes_the_kernels_refuse(bad):
         check_npu_block_size(bad)
 
 
-def test_default_block_size_is_accepted():
-    assert check_npu_block_size(DEFAULT_NPU_BLOCK_SIZE) == 128
+def test_the_npu_default_block_size_is_one_the_kernels_take():
+    assert default_block_size("npu") == DEFAULT_NPU_BLOCK_SIZE == check_npu_block_size(DEFAULT_NPU_BLOCK_SIZE)
+    assert default_block_size("cuda") == default_block_size("cpu") == 16
 
 
 def test_float32_is_refused_with_a_clear_error(emu):

@@ -189,8 +189,8 @@ def test_logprobs_and_seeded_sampling_come_back():
         assert len(result.logprobs[0].top_ids) == 3 and result.logprobs[0].sampled <= 0
 
 
-def _new(tokens, num_computed=0, blocks=(200,), slot=5):
-    return [NewRequest(slot, list(tokens), num_computed, list(blocks), WorkerSampling())]
+def _new(tokens, num_computed=0, blocks=(200,), slot=5, sampling=None):
+    return [NewRequest(slot, list(tokens), num_computed, list(blocks), sampling or WorkerSampling())]
 
 
 BAD_PLANS = {
@@ -208,6 +208,8 @@ BAD_PLANS = {
                         "twice"),
     "over token budget": (StepPlan(1, new_requests=_new(range(40), blocks=range(200, 210)),
                                    rows=[ScheduledRow(5, 40)]), "max_num_batched_tokens"),
+    "bad sampling": (StepPlan(1, new_requests=_new([1, 2], sampling=WorkerSampling(top_p=0.0)),
+                              rows=[ScheduledRow(5, 2)]), "slot 5: top_p"),
 }
 
 
@@ -233,14 +235,6 @@ def test_runner_reports_its_sizes():
     empty = runner.execute(StepPlan(step_id=3))
     assert empty.step_id == 3 and empty.slots == [] and empty.token_ids == b""
     runner.close()
-
-
-@pytest.mark.parametrize("field,value", [("device", "tpu"), ("dtype", "int8"), ("block_size", 0),
-                                         ("num_kv_blocks", -1), ("memory_fraction", 1.5), ("max_num_seqs", 0),
-                                         ("device_outputs", "yes"), ("max_model_len", 0), ("num_threads", 0)])
-def test_runner_config_rejects_bad_values(field, value):
-    with pytest.raises(ValueError, match=field):
-        RunnerConfig(**{field: value})
 
 
 def test_a_step_where_no_row_samples_returns_no_ids():

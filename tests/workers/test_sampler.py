@@ -266,11 +266,13 @@ def test_bad_input_raises_value_errors():
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="positions"):
         SamplingBatch.build([W()], [1, 2], cpu)
+    # parameters are checked once, when a request arrives at the worker (not every step)
     for bad, field in [(W(top_p=0.0), "top_p"), (W(logprobs=21), "logprobs"), (W(top_k=-2), "top_k"),
                        (W(min_p=1.5), "min_p"), (W(temperature=-1.0), "temperature"),
-                       (W(temperature=float("nan")), "temperature")]:
+                       (W(temperature=float("nan")), "temperature"), (W(banned_ids=(-1,)), "banned_ids")]:
         with pytest.raises(ValueError, match=field):
-            SamplingBatch.build([W(), bad], [0, 0], cpu)
+            bad.check()
+    W(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, seed=3, logprobs=20, ban_until=4, banned_ids=(1,)).check()
     with pytest.raises(ValueError, match="position"):
         SamplingBatch.build([W()], [-1], cpu)
     batch = SamplingBatch.build([W(), W()], [0, 0], cpu)

@@ -9,6 +9,7 @@ import torch
 
 from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, WorkerSampling
 from workers.slot_table import SlotTable
+from workers.staging import StepStaging
 from workers.step_inputs import build_step_inputs
 
 BS = 4
@@ -58,7 +59,7 @@ def mixed_rows():
 def test_the_flat_batch_puts_decodes_first_and_maps_every_token_to_its_kv_slot():
     rows = mixed_rows()
     last_tokens = torch.arange(1000, 1008, dtype=torch.int64)  # slot s holds 1000 + s
-    inputs = build_step_inputs(rows, block_size=BS, last_tokens=last_tokens, device=CPU)
+    inputs = build_step_inputs(rows, block_size=BS, last_tokens=last_tokens, staging=StepStaging(CPU))
     ids, pos, kv, last = expected_batch(rows, last_tokens)
     assert inputs.num_tokens == len(ids) == 1 + 1 + 5 + 3
     assert inputs.input_ids.tolist() == ids and ids[1] == 1000  # slot 0's resident token, filled in
@@ -68,19 +69,30 @@ def test_the_flat_batch_puts_decodes_first_and_maps_every_token_to_its_kv_slot()
 
 def test_the_rows_that_sample_keep_plan_order_and_point_at_their_last_token():
     rows = mixed_rows()
-    inputs = build_step_inputs(rows, block_size=BS, last_tokens=torch.zeros(8, dtype=torch.int64), device=CPU)
+    inputs = build_step_inputs(rows, block_size=BS, last_tokens=torch.zeros(8, dtype=torch.int64),
+                               staging=StepStaging(CPU))
     _, _, _, last = expected_batch(rows, torch.zeros(8))
     sampling = [w for w in rows if w.samples]
     assert [w.slot for w in sampling] == [3, 6, 0]  # slot 5's chunk leaves 2 prompt tokens uncomputed
     assert inputs.slots == inputs.sample_slots.tolist() == [3, 6, 0]
     assert inputs.logits_indices.tolist() == [last[s] for s in (3, 6, 0)]
-    assert inputs.sample_positions == [w.start + w.num_tokens for w in sampling]
-    assert inputs.work == sampling and len(inputs.sampling) == 3
+    assert inputs.work == sampling
+
+
+def test_the_callers_sampling_parts_ride_in_the_same_copy():
+    rows = mixed_rows()
+    staging = StepStaging(CPU)
+    inputs = build_step_inputs(rows, block_size=BS, last_tokens=torch.zeros(8, dtype=torch.int64), staging=staging,
+                               sampling_ints=[[3, 6], [], [9]], sampling_floats=[[0.5, 0.25], [2.0]])
+    assert [t.tolist() for t in inputs.sampling_ints] == [[3, 6], [], [9]]
+    assert [t.tolist() for t in inputs.sampling_floats] == [[0.5, 0.25], [2.0]]
+    assert inputs.sampling_floats[0].dtype == torch.float32 and staging.num_allocations == 1
 
 
 def test_decode_rows_see_their_blocks_padded_to_the_longest_and_chunks_gather_theirs():
     rows = mixed_rows()
-    inputs = build_step_inputs(rows, block_size=BS, last_tokens=torch.zeros(8, dtype=torch.int64), device=CPU)
+    inputs = build_step_inputs(rows, block_size=BS, last_tokens=torch.zeros(8, dtype=torch.int64),
+                               staging=StepStaging(CPU))
     attn = inputs.attn
     assert attn.num_decode == 2
     # slot 3 (position 9) needs 3 blocks, slot 0 (position 6) needs 2, padded with block 0
@@ -99,7 +111,7 @@ def test_an_all_decode_step_samples_every_row_in_place():
         admit(t, s, list(range(10 * s, 10 * s + 7)), [s * 2, s * 2 + 1])  # decodes at position 7
     rows = t.apply(StepPlan(1, rows=[ScheduledRow(2, 1, [], USE_RESIDENT), ScheduledRow(1, 1, [], USE_RESIDENT)]))
     last_tokens = torch.tensor([0, 11, 22, 0, 0, 0, 0, 0])
-    inputs = build_step_inputs(rows, block_size=BS, last_tokens=last_tokens, device=CPU)
+    inputs = build_step_inputs(rows, block_size=BS, last_tokens=last_tokens, staging=StepStaging(CPU))
     assert inputs.logits_indices is None  # the flat batch is the sampling batch
     assert inputs.input_ids.tolist() == [22, 11] and inputs.positions.tolist() == [7, 7]
     assert inputs.attn.decode_mask is None  # both contexts fill their two blocks: no padding to hide

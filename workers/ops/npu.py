@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from workers.block_sizes import check_npu_block_size
 from workers.ops.base import AttentionBackend, AttentionMetadata, OpTable
 
-DEFAULT_NPU_BLOCK_SIZE = 128  # vllm-ascend's only kernel block size
-MAX_NPU_BLOCK_SIZE = 128  # _npu_paged_attention's limit (FIA alone would take up to 512)
 MASK_SIZE = 2048  # sparse_mode 3 reads the causal mask compressed to this square
 NPU_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -36,16 +35,6 @@ def torch_npu():
     import torch_npu as module  # noqa: PLC0415  (lazy by design)
 
     return module
-
-
-def check_npu_block_size(block_size) -> int:
-    """block_size if the NPU attention kernels take it (a multiple of 16, at most 128)."""
-    if (not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 16
-            or block_size % 16 or block_size > MAX_NPU_BLOCK_SIZE):
-        raise ValueError(f"block_size must be a multiple of 16 between 16 and {MAX_NPU_BLOCK_SIZE} on the NPU "
-                         f"(the fused attention kernels refuse others; {DEFAULT_NPU_BLOCK_SIZE} is the default), "
-                         f"got {block_size!r}")
-    return block_size
 
 
 def check_npu_dtype(dtype: torch.dtype) -> torch.dtype:

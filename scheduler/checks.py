@@ -1,0 +1,47 @@
+"""The checks every boundary uses on its input: ValueErrors that name the field and the value.
+
+Pure Python, importable from every package (scheduler, workers, cluster). `bool` is an
+`int` subclass in Python, so "an integer" here never accepts True or False.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def is_int(x) -> bool:
+    """An int, and not a bool."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_number(x) -> bool:
+    """A finite int or float, and not a bool."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def check_int(name: str, value, low: int, high: int | None = None, *, optional: bool = False) -> None:
+    """ValueError unless `value` is an integer in [low, high] (None when `optional`)."""
+    if optional and value is None:
+        return
+    if not is_int(value) or value < low or (high is not None and value > high):
+        want = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be an integer {want}{' or None' if optional else ''}, got {value!r}")
+
+
+def check_bool(name: str, value, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool{' or None' if optional else ''}, got {value!r}")
+
+
+def check_fraction(name: str, value) -> None:
+    """ValueError unless 0 < value <= 1."""
+    if not is_number(value) or not 0 < value <= 1:
+        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+
+
+def check_positive(name: str, value) -> None:
+    """ValueError unless `value` is a finite number > 0."""
+    if not is_number(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")

@@ -1,0 +1,90 @@
+"""SlotSampling: every slot's sampling parameters, resident on the worker's device.
+
+A request's parameters reach the worker once, in its NewRequest (checked there, by
+SlotTable). They are written into per-slot device tensors ([max_num_seqs] each: the way
+vLLM's persistent batch keeps them) with the next step's inputs, and each step gathers
+its rows' values from those tensors on the device. So a step sends only ints: which rows
+take which path (SamplingLayout) and the slots to gather from, packed into the same
+single host->device copy as the step's other inputs (workers/staging.py), plus the
+float parameters of the requests that just arrived.
+
+`prepare` (host, before the copy) and `finish` (device views, after it) bracket that copy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from scheduler.protocol import WorkerSampling
+from workers.sampling_batch import SamplingBatch, SamplingLayout
+
+_FLOATS = ("temperature", "top_p", "log_min_p")  # float32 per slot
+_VALUES = ("temperature", "top_k", "top_p", "log_min_p")  # what a batch gathers per row
+
+
+@dataclass
+class SamplingUpload:
+    """One step's sampling parts for the step's copy, and what to make of them after it."""
+
+    layout: SamplingLayout | None  # None: no row samples this step
+    ints: dict[str, list[int]]  # name -> int64 values, in upload order
+    floats: dict[str, list[float]]  # name -> float32 values, in upload order
+
+
+class SlotSampling:
+    def __init__(self, num_slots: int, device: torch.device) -> None:
+        dev = torch.device(device)
+        self.values = {  # [num_slots] each; a slot's entries are valid while its request is on the worker
+            "temperature": torch.ones(num_slots, dtype=torch.float32, device=dev),
+            "top_k": torch.zeros(num_slots, dtype=torch.int64, device=dev),
+            "top_p": torch.ones(num_slots, dtype=torch.float32, device=dev),
+            "log_min_p": torch.zeros(num_slots, dtype=torch.float32, device=dev),
+        }
+        self._arrived: dict[int, WorkerSampling] = {}  # slot -> params not yet written to the device
+
+    def admit(self, slot: int, sampling: WorkerSampling) -> None:
+        """A request arrived in `slot`: its params go to the device with the next step's copy."""
+        self._arrived[slot] = sampling  # a later arrival in the same slot replaces an unwritten one
+
+    def clear(self) -> None:
+        self._arrived.clear()
+
+    def prepare(self, params: list[WorkerSampling], positions: list[int], slots: list[int]) -> SamplingUpload:
+        """Host side of one step whose sampling rows have these params, sampled positions and slots."""
+        ints: dict[str, list[int]] = {}
+        floats: dict[str, list[float]] = {}
+        if self._arrived:
+            arrived, self._arrived = self._arrived, {}
+            ints["arrived_slots"] = list(arrived)
+            ints["arrived_top_k"] = [sp.top_k for sp in arrived.values()]
+            floats["temperature"] = [float(sp.temperature) for sp in arrived.values()]
+            floats["top_p"] = [float(sp.top_p) for sp in arrived.values()]
+            floats["log_min_p"] = [math.log(sp.min_p) if sp.min_p > 0 else 0.0 for sp in arrived.values()]
+        layout = SamplingLayout.of(params, positions) if params else None
+        if layout is not None:
+            ints.update((name, rows) for name, rows in layout.index_lists().items() if rows is not None)
+            for name, rows in layout.value_rows().items():
+                if rows:
+                    ints[f"{name}_slots"] = [slots[i] for i in rows]
+        return SamplingUpload(layout, ints, floats)
+
+    def finish(self, upload: SamplingUpload, ints: list[torch.Tensor], floats: list[torch.Tensor]
+               ) -> SamplingBatch | None:
+        """Device side, given the uploaded parts' views: write the arrivals, gather the batch."""
+        iv = dict(zip(upload.ints, ints))
+        fv = dict(zip(upload.floats, floats))
+        if "arrived_slots" in iv:
+            idx = iv["arrived_slots"]
+            self.values["top_k"].index_copy_(0, idx, iv["arrived_top_k"])
+            for name in _FLOATS:
+                self.values[name].index_copy_(0, idx, fv[name])
+        if upload.layout is None:
+            return None
+        tensors = {name: iv.get(name) for name in upload.layout.index_lists()}
+        for name in _VALUES:
+            idx = iv.get(f"{name}_slots")
+            tensors[name] = None if idx is None else self.values[name].index_select(0, idx)
+        return upload.layout.batch(tensors)
