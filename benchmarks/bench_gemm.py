@@ -34,8 +34,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default="1,64,2048")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--packed", action="store_true",
+                    help="fp32 only: F.linear against MKL's packed weights (the CPU op table's two paths), "
+                         "taking turns per repetition, on the fused shapes of one Qwen3-0.6B layer")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    if a.packed:
+        return packed(a)
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{torch.backends.cpu.get_cpu_capability()}")
     print(f"{'shape':>22} {'bf16 ms':>9} {'fp32 ms':>9} {'bf16->fp32 ms':>14} {'bf16 GF/s':>10} {'fp32 GF/s':>10} "
@@ -55,6 +60,32 @@ def main() -> None:
             flop = 2 * m * 1024 * out_features
             print(f"{f'{m}x1024 @ 1024x{out_features}':>22} {t16 * 1e3:>9.1f} {t32 * 1e3:>9.1f} {tup * 1e3:>14.1f} "
                   f"{flop / t16 / 1e9:>10.1f} {flop / t32 / 1e9:>10.1f} {flop / tup / 1e9:>12.1f}")
+
+
+def packed(a) -> None:
+    from workers.ops.cpu_features import cpu_class, has_mkl_packed_linear
+
+    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}, "
+          f"cpu class {cpu_class()}, mkl packed op: {has_mkl_packed_linear()}")
+    print(f"{'shape':>22} {'F.linear GF/s':>14} {'mkl-packed GF/s':>16} {'packed / aten':>14}")
+    g = torch.Generator().manual_seed(0)
+    # qkv (fused), o, gate_up (fused), down, lm_head
+    for out_features, in_features in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)):
+        w = torch.randn(out_features, in_features, generator=g) * 0.02
+        pw = torch.ops.mkl._mkl_reorder_linear_weight(w, 64) if has_mkl_packed_linear() else None
+        for m in (int(r) for r in a.rows.split(",")):
+            if out_features > 100_000 and m > 64:
+                continue
+            x = torch.randn(m, in_features, generator=g)
+            ta, tp = [], []
+            for _ in range(a.reps + 1):
+                ta.append(timed(lambda x=x, w=w: F.linear(x, w), 1))
+                if pw is not None:
+                    tp.append(timed(lambda x=x, w=w, pw=pw: torch.ops.mkl._mkl_linear(x, pw, w, None, 64), 1))
+            flop = 2 * m * in_features * out_features
+            ga = flop / statistics.median(ta[1:]) / 1e9
+            gp = flop / statistics.median(tp[1:]) / 1e9 if tp else float("nan")
+            print(f"{f'{m}x{in_features} @ {in_features}x{out_features}':>22} {ga:>14.1f} {gp:>16.1f} {gp / ga:>14.2f}")
 
 
 if __name__ == "__main__":

@@ -23,18 +23,27 @@ __all__ = [
 
 def ensure_ray(address: str | None = None) -> bool:
     """Join a running Ray (this process's, `address`, or one started with `ray start`),
-    else start a local one. Returns True when this call initialized Ray here."""
+    else start a local one. Returns True when this call initialized Ray here.
+
+    A Ray started here runs its workers at this process's priority: Ray's default renices
+    worker processes to 15, so on a busy host the HTTP server and its clients (at 0)
+    would starve the engine and its workers (set RAY_worker_niceness to override)."""
+    import os
+
     import ray
 
     if ray.is_initialized():
         return False
     opts = dict(include_dashboard=False, logging_level=logging.WARNING)
+    if address == "local":  # a new single-node Ray of our own, whatever else runs here
+        os.environ.setdefault("RAY_worker_niceness", "0")
     if address is not None:
         ray.init(address=address, **opts)
         return True
     try:
         ray.init(address="auto", **opts)
     except ConnectionError:
+        os.environ.setdefault("RAY_worker_niceness", "0")  # read by the raylet this starts
         ray.init(**opts)
     return True
 
@@ -57,9 +66,12 @@ def launch(model: str | None = None, device: str = "cpu", num_replicas: int = 1,
     return LLMHandle(engine, owns_ray=owns_ray)
 
 
-def connect(name: str = "raylm", *, address: str | None = None, namespace: str = "raylm") -> LLMHandle:
-    """A handle to an engine started by `raylm serve` (a named, detached actor)."""
+def connect(name: str = "raylm", *, address: str | None = None, namespace: str = "raylm",
+            lease_s: float = 30.0) -> LLMHandle:
+    """A handle to an engine started by `raylm serve` (a named, detached actor).
+    If this process stops answering for `lease_s` seconds (it died, its network went
+    away), the engine aborts the requests it left running."""
     from cluster.engine_client import EngineClient
 
     owns_ray = ensure_ray(address)
-    return LLMHandle(EngineClient.attach(name, namespace), owns_ray=owns_ray)
+    return LLMHandle(EngineClient.attach(name, namespace, lease_s=lease_s), owns_ray=owns_ray)

@@ -24,6 +24,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (CPU)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads-per-worker", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    p.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="queue bound per replica; beyond it requests are refused (HTTP 429)")
     p.add_argument("--accelerator-resource", default=None,
                    help="Ray resource each worker takes one of (default: NPU for npu, GPU for cuda, none for cpu); "
                         "e.g. NPU with --device cpu places CPU workers as they would be placed on NPUs")
@@ -33,6 +37,9 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
     kw = dict(model=a.model, device=a.device, num_replicas=a.replicas, dtype=a.dtype,
               num_kv_blocks=a.num_kv_blocks, max_model_len=a.max_model_len, threads_per_worker=a.threads_per_worker,
               accelerator_resource=a.accelerator_resource, tensor_parallel_size=a.tensor_parallel_size)
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):  # unset: EngineConfig's default
+        if getattr(a, name) is not None:
+            kw[name] = getattr(a, name)
     return kw
 
 
@@ -57,12 +64,13 @@ def cmd_generate(a: argparse.Namespace) -> int:
             print(a.prompt + out.text)
         elapsed = time.perf_counter() - t1
         stats = llm.stats()
+        ops = (llm.worker_stats() or [{}])[0].get("ops") or {}
     n = len(out.token_ids)
     ttft = out.metrics.ttft if out.metrics and out.metrics.ttft is not None else float("nan")
     print(
         f"[raylm] {n} tokens in {elapsed:.2f}s ({n / elapsed:.1f} tok/s), TTFT {ttft * 1000:.1f} ms, "
         f"finish={out.finish_reason}, bytes pulled per decode step {stats['bytes_pulled_per_decode_step']:.0f}, "
-        f"engine start {t_up:.1f}s",
+        f"engine start {t_up:.1f}s, ops {'/'.join(str(v) for v in ops.values() if v) or '-'}",
         file=sys.stderr,
     )
     return 0
@@ -134,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server over a named engine actor")
     _engine_args(s)
-    s.add_argument("--address", default=None, help="Ray address to join ('auto': the local node's cluster)")
+    s.add_argument("--address", default=None,
+                   help="Ray address to join ('auto': the local node's cluster; 'local': start a new single-node Ray)")
     s.add_argument("--name", default="raylm", help="engine actor name, for cluster.connect(name)")
     s.add_argument("--served-model-name", default=None, help="model id in the API (default: model dir name)")
     s.add_argument("--host", default="127.0.0.1")

@@ -35,6 +35,11 @@ class EngineConfig:
     `accelerator_resource` overrides the Ray resource each worker asks one of
     (default: "NPU" for npu, "GPU" for cuda, none for cpu); tests set "NPU" with device
     "cpu" to exercise NPU placement on a machine without NPUs.
+    Healing (docs/reliability.md): a replica restarts a failed worker at most
+    `max_worker_restarts` times within any `restart_window_s` seconds, waiting
+    `restart_backoff_s` (doubling, at most `max_restart_backoff_s`) between failures in
+    a row; beyond that it gives up, fails its requests, and tries again after
+    `replica_cooldown_s`, rejoining the router once its worker is up.
     """
 
     model: str | None = None
@@ -56,6 +61,10 @@ class EngineConfig:
     accelerator_resource: str | None = None
     step_timeout_s: float = 120.0
     max_worker_restarts: int = 3
+    restart_window_s: float = 600.0
+    restart_backoff_s: float = 1.0
+    max_restart_backoff_s: float = 30.0
+    replica_cooldown_s: float = 60.0
     max_waiting_requests: int = 4096
     start_timeout_s: float = 600.0
 
@@ -86,6 +95,10 @@ class EngineConfig:
             raise ValueError(f"accelerator_resource must be a resource name or None, got {self.accelerator_resource!r}")
         check_positive("step_timeout_s", self.step_timeout_s)
         check_int("max_worker_restarts", self.max_worker_restarts, 0)
+        check_positive("restart_window_s", self.restart_window_s)
+        check_positive("restart_backoff_s", self.restart_backoff_s)
+        check_positive("max_restart_backoff_s", self.max_restart_backoff_s)
+        check_positive("replica_cooldown_s", self.replica_cooldown_s)
         check_int("max_waiting_requests", self.max_waiting_requests, 1)
         check_positive("start_timeout_s", self.start_timeout_s)
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from cluster.config import EngineConfig
 from cluster.detokenizer import IncrementalDetokenizer
-from cluster.errors import EngineOverloadedError
+from cluster.errors import EngineDeadError, EngineOverloadedError
 from cluster.metrics import EngineMetrics
 from cluster.outputs import RequestMetrics, RequestOutput, StreamDelta, TokenLogprob
 from cluster.placement import create_replica_groups, default_threads, release, worker_resources
@@ -153,7 +153,10 @@ class Engine:
                              "give prompts as lists of token ids")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, loop=None) -> RequestStream:
+                    request_id: str | None = None, loop=None, sink=None) -> RequestStream:
+        """Accept a request; its deltas go to the returned RequestStream (read with `for`,
+        or `async for` on `loop`), or to `sink.put(delta)` when a sink is given (a
+        frontend's outbox, shared by many requests)."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -172,14 +175,17 @@ class Engine:
         if request_id in self._requests:  # checked again under the lock below
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids)
-        replica = self._router.pick(self.replicas, ids)
+        try:
+            replica = self._router.pick(self.replicas, ids)
+        except EngineDeadError as e:  # say when to come back
+            raise EngineDeadError(str(e), self._retry_after()) from None
         if replica.num_waiting() >= self.config.max_waiting_requests:
             raise EngineOverloadedError(
                 f"too many waiting requests ({self.config.max_waiting_requests} on replica {replica.index}); "
                 "retry later")
         if params.stop:
             self._need_tokenizer("stop strings")
-        stream = RequestStream(request_id, loop)
+        stream = sink if sink is not None else RequestStream(request_id, loop)
         detok = _NoText() if self.tokenizer is None else IncrementalDetokenizer(
             self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop)
         st = _RequestState(request, text, detok, stream, replica, [] if params.logprobs is not None else None)
@@ -271,7 +277,29 @@ class Engine:
         self.metrics.observe_finished(reason_value, output.metrics.ttft, output.metrics.tpot)
         st.stream.put(StreamDelta(req.request_id, text, list(new_ids), logprobs, reason_value, output))
 
+    def _retry_after(self) -> float | None:
+        waits = [r.health_state.cooldown_left() for r in self.replicas if r.health_state.state == "down"]
+        return min(waits) if waits else None
+
     # ---- stats ----
+    def health(self) -> dict:
+        """Whether requests can be served now: "ok" (every replica up), "degraded" (some
+        down) or "unavailable" (none up; `reason` says why, `retry_after_s` when to retry)."""
+        reps = [r.health() for r in self.replicas]
+        up = [h for h in reps if h["state"] == "up"]
+        if not reps:
+            return {"status": "unavailable", "reason": "the engine is not running", "replicas": [],
+                    "retry_after_s": None}
+        if not up:
+            waits = [h["retry_in_s"] for h in reps if h.get("retry_in_s") is not None]
+            errors = "; ".join(f"replica {h['replica']}: {h['state']}"
+                               + (f" ({h['last_error']})" if h.get("last_error") else "") for h in reps)
+            return {"status": "unavailable", "reason": f"no replica can serve: {errors}", "replicas": reps,
+                    "retry_after_s": min(waits) if waits else None}
+        status = "ok" if len(up) == len(reps) else "degraded"
+        reason = None if status == "ok" else f"{len(reps) - len(up)} of {len(reps)} replicas down"
+        return {"status": status, "reason": reason, "replicas": reps, "retry_after_s": None}
+
     def metrics_text(self) -> bytes:
         """Prometheus exposition text."""
         return self.metrics.render()
@@ -286,7 +314,7 @@ class Engine:
         total = {}
         for snap in reps:
             for k, v in snap.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "replica":
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in _PER_REPLICA_ONLY:
                     total[k] = total.get(k, 0) + v
         queried = total.get("prefix_queried_tokens", 0)
         total["prefix_hit_rate"] = total.get("prefix_hit_tokens", 0) / queried if queried else 0.0
@@ -304,6 +332,9 @@ class Engine:
         total["max_model_len"] = self.max_model_len
         total["replicas"] = reps
         return total
+
+
+_PER_REPLICA_ONLY = ("replica", "last_error_time", "retry_in_s")  # numbers that make no sense summed
 
 
 class _NoText:

@@ -1,8 +1,9 @@
 """EngineActor: an Engine inside a named, detached, async Ray actor (`raylm serve` starts one).
 
 Its client is EngineClient (cluster/engine_client.py), which `connect()` and the HTTP
-server of `raylm serve` use. Requests go in with `submit` (bad input raises right there)
-and their deltas come back through `follow`, a Ray streaming generator.
+server of `raylm serve` use. Requests and outputs cross over the frontend channel
+(cluster/channel.py): `push` brings a frontend's submissions and aborts in batches, `pull`
+hands it every delta of its requests since its last pull (cluster/outbox.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import ray
 
 from cluster.config import EngineConfig
+from cluster.outbox import Outboxes
 
 NAMESPACE = "raylm"
 
@@ -21,7 +23,7 @@ class EngineActor:
         from cluster.engine import Engine
 
         self.engine = Engine(EngineConfig(**config))
-        self._streams: dict = {}
+        self._outboxes = Outboxes(self.engine)
         self._ready = False
 
     async def start(self) -> dict:
@@ -34,29 +36,32 @@ class EngineActor:
         return {"config": e.config.to_dict(), "model_path": e.model_path, "max_model_len": e.max_model_len,
                 "vocab_size": e.vocab_size, "ready": self._ready}
 
-    async def submit(self, prompt, params, request_id: str) -> str:
+    # ---- the frontend channel ----
+    async def open_frontend(self, frontend_id: str, lease_s: float) -> None:
+        self._outboxes.open(frontend_id, lease_s)
+
+    async def push(self, frontend_id: str, ops: bytes) -> bytes:
         if not self._ready:
             raise RuntimeError("the engine is still loading")
-        self._streams[request_id] = self.engine.add_request(prompt, params, request_id, asyncio.get_running_loop())
-        return request_id
+        return self._outboxes.push(frontend_id, ops)
 
-    async def follow(self, request_id: str):
-        stream = self._streams.get(request_id)
-        if stream is None:
-            raise ValueError(f"no request {request_id!r} to follow")
-        try:
-            async for delta in stream:
-                yield delta
-        finally:
-            self._streams.pop(request_id, None)
-            if stream.output is None:  # the follower went away: stop generating for nobody
-                self.engine.abort(request_id)
+    async def pull(self, frontend_id: str, wait_s: float) -> bytes:
+        return await self._outboxes.pull(frontend_id, wait_s)
+
+    async def close_frontend(self, frontend_id: str) -> int:
+        return self._outboxes.close(frontend_id)
 
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)
 
     def stats(self) -> dict:
-        return self.engine.stats()
+        return {**self.engine.stats(), **self._outboxes.stats()}
+
+    def health(self) -> dict:
+        if not self._ready:
+            return {"status": "unavailable", "reason": "the engine is still loading", "replicas": [],
+                    "retry_after_s": 5}
+        return self.engine.health()
 
     def worker_stats(self) -> list[dict]:
         return self.engine.worker_stats()

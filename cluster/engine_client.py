@@ -1,9 +1,10 @@
 """EngineClient: the client side of an EngineActor, what `connect()` hands to LLMHandle.
 
 EngineClient gives LLMHandle the same methods a local Engine has, so a connected handle
-generates, streams, chats and reports stats like a launched one. Requests go in with the
-actor's `submit` (bad input raises right there) and their deltas come back through
-`follow`, a Ray streaming generator, read by a RemoteStream.
+generates, streams, chats and reports stats like a launched one. Requests and their
+outputs travel over the frontend channel (cluster/channel.py): each EngineClient is one
+Frontend, whose submissions, aborts and deltas cross in batches, never one Ray call per
+request or per token.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from ray.exceptions import RayTaskError
 
 from cluster.config import EngineConfig
 from cluster.engine_actor import NAMESPACE
-from cluster.outputs import RequestOutput
+from cluster.frontend import Frontend
+from cluster.outbox import DEFAULT_LEASE_S
+from cluster.stream import RequestStream
 
 
 def _cause(e: RayTaskError) -> BaseException:
@@ -31,57 +34,10 @@ def _get(ref):
         raise _cause(e) from None
 
 
-class RemoteStream:
-    """A request's deltas from an EngineActor; iterate with `for` or `async for`."""
-
-    def __init__(self, actor, request_id: str, prompt, params, submit_now: bool):
-        self._actor = actor
-        self.request_id = request_id
-        self._args = (prompt, params, request_id)
-        self._submitted = False
-        self.output: RequestOutput | None = None
-        if submit_now:
-            _get(actor.submit.remote(*self._args))
-            self._submitted = True
-
-    def __iter__(self):
-        if not self._submitted:
-            _get(self._actor.submit.remote(*self._args))
-            self._submitted = True
-        for ref in self._actor.follow.remote(self.request_id):
-            delta = _get(ref)
-            if delta.finished:
-                self.output = delta.output
-            yield delta
-
-    async def __aiter__(self):
-        try:
-            if not self._submitted:
-                await self._actor.submit.remote(*self._args)
-                self._submitted = True
-            async for ref in self._actor.follow.remote(self.request_id):
-                delta = await ref
-                if delta.finished:
-                    self.output = delta.output
-                yield delta
-        except RayTaskError as e:
-            raise _cause(e) from None
-
-    def result(self) -> RequestOutput:
-        for _ in self:
-            pass
-        return self.output
-
-    async def aresult(self) -> RequestOutput:
-        async for _ in self:
-            pass
-        return self.output
-
-
 class EngineClient:
-    """A connected engine: every call is a Ray call to its EngineActor."""
+    """A connected engine: requests over the frontend channel, the rest as Ray calls."""
 
-    def __init__(self, actor, info: dict):
+    def __init__(self, actor, info: dict, lease_s: float = DEFAULT_LEASE_S):
         self._actor = actor
         self.info = info
         self.config = EngineConfig(**info["config"])
@@ -89,15 +45,16 @@ class EngineClient:
         self.max_model_len = info["max_model_len"]
         self.vocab_size = info["vocab_size"]
         self._tokenizer = None
+        self.frontend = Frontend(actor, lease_s=lease_s)
 
     @classmethod
-    def attach(cls, name: str, namespace: str = NAMESPACE) -> EngineClient:
+    def attach(cls, name: str, namespace: str = NAMESPACE, lease_s: float = DEFAULT_LEASE_S) -> EngineClient:
         try:
             actor = ray.get_actor(name, namespace=namespace)
         except ValueError:
             raise ValueError(f"no raylm engine named {name!r} in namespace {namespace!r}; "
                              f"start one with `raylm serve --name {name}`") from None
-        return cls(actor, _get(actor.info.remote()))
+        return cls(actor, _get(actor.info.remote()), lease_s)
 
     @property
     def tokenizer(self):
@@ -109,18 +66,23 @@ class EngineClient:
             self._tokenizer = load_tokenizer(self.model_path)
         return self._tokenizer
 
-    def add_request(self, prompt, params=None, request_id: str | None = None, loop=None) -> RemoteStream:
+    def add_request(self, prompt, params=None, request_id: str | None = None, loop=None) -> RequestStream:
         rid = request_id if request_id is not None else uuid.uuid4().hex
-        return RemoteStream(self._actor, rid, prompt, params, submit_now=loop is None)
+        if not isinstance(rid, str) or not rid:
+            raise ValueError(f"request_id must be a non-empty string, got {rid!r}")
+        return self.frontend.submit(prompt, params, rid, loop)
 
     def apply_chat_template(self, messages) -> str:
         return _get(self._actor.apply_chat_template.remote(messages))
 
     def abort(self, request_id: str) -> bool:
-        return _get(self._actor.abort.remote(request_id))
+        return self.frontend.abort(request_id)
 
     def stats(self) -> dict:
         return _get(self._actor.stats.remote())
+
+    def health(self) -> dict:
+        return _get(self._actor.health.remote())
 
     def worker_stats(self) -> list[dict]:
         return _get(self._actor.worker_stats.remote())
@@ -129,9 +91,12 @@ class EngineClient:
         return _get(self._actor.metrics_text.remote())
 
     def shutdown(self) -> None:
-        """Detach; the engine keeps serving others (stop it with `stop_engine`)."""
+        """Detach (aborting what this handle left running); the engine keeps serving
+        others (stop it with `stop_engine`)."""
+        self.frontend.close()
 
     def stop_engine(self) -> None:
+        self.frontend.close()
         try:
             _get(self._actor.shutdown.remote())
         except ray.exceptions.RayActorError:

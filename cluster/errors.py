@@ -6,4 +6,9 @@ class EngineOverloadedError(RuntimeError):
 
 
 class EngineDeadError(RuntimeError):
-    """No replica can serve: every worker failed beyond its restart budget (HTTP 503)."""
+    """No replica can serve: every worker failed beyond its restart budget (HTTP 503).
+    `retry_after_s`, when known, is how long until a replica tries to come back."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -97,8 +97,27 @@ class LLMHandle:
             if s.output is None:
                 self._engine.abort(s.request_id)
 
+    async def astream_batches(self, prompt: Prompt, params: SamplingParams | None = None, *,
+                              request_id: str | None = None) -> AsyncIterator[list[StreamDelta]]:
+        """Like `astream`, but yields every delta that has arrived by the time the caller
+        asks, as a list: a consumer that fell behind catches up in one go."""
+        s = self._engine.add_request(prompt, _one(params), request_id, asyncio.get_running_loop())
+        try:
+            async for delta in s:
+                batch = [delta] + (s.take_ready() if not delta.finished else [])
+                yield batch
+                if batch[-1].finished:
+                    return
+        finally:
+            if s.output is None:
+                self._engine.abort(s.request_id)
+
     def abort(self, request_id: str) -> bool:
         return self._engine.abort(request_id)
+
+    def health(self) -> dict:
+        """{"status": "ok" | "degraded" | "unavailable", "reason", "replicas": [...]}."""
+        return self._engine.health()
 
     def stats(self) -> dict:
         return self._engine.stats()

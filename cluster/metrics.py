@@ -35,6 +35,7 @@ class _StatsCollector:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(value))
             yield g
+        yield from _replica_families(s.get("replicas", []))
         for name, doc, key in [
             ("raylm_prompt_tokens", "Prompt tokens computed", "prompt_tokens"),
             ("raylm_generation_tokens", "Tokens generated", "generated_tokens"),
@@ -45,6 +46,25 @@ class _StatsCollector:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], float(s.get(key, 0)))
             yield c
+
+
+def _replica_families(replicas: list[dict]):
+    """Per replica: up (routable and serving), its state, restarts, give-ups, last error time."""
+    up = GaugeMetricFamily("raylm_replica_up", "1 if the replica serves, else 0", labels=["replica"])
+    state = GaugeMetricFamily("raylm_replica_state", "1 for the replica's current state", labels=["replica", "state"])
+    restarts = CounterMetricFamily("raylm_replica_restarts", "Worker restarts of the replica", labels=["replica"])
+    give_ups = CounterMetricFamily("raylm_replica_give_ups", "Times the replica spent its restart budget",
+                                   labels=["replica"])
+    last_error = GaugeMetricFamily("raylm_replica_last_error_timestamp_seconds",
+                                   "Unix time of the replica's last worker failure (0: none)", labels=["replica"])
+    for r in replicas:
+        i = str(r["replica"])
+        up.add_metric([i], 1.0 if r.get("state") == "up" else 0.0)
+        state.add_metric([i, str(r.get("state"))], 1.0)
+        restarts.add_metric([i], float(r.get("restarts", 0)))
+        give_ups.add_metric([i], float(r.get("give_ups", 0)))
+        last_error.add_metric([i], float(r.get("last_error_time") or 0.0))
+    yield from (up, state, restarts, give_ups, last_error)
 
 
 class EngineMetrics:

@@ -9,8 +9,13 @@ The loop runs on its own thread. It keeps up to `pipeline_depth` steps in flight
 N+1 is sent before result N is back, its decode rows taking the worker's resident
 tokens, so the worker never waits on the driver. An idle replica blocks on an Event (no
 polling). A worker that dies, raises or hangs past the step timeout is replaced and every
-unfinished request is recomputed from its prompt and the tokens it already has; after
-`max_worker_restarts` failed attempts the replica's requests finish with an error.
+unfinished request is recomputed from its prompt and the tokens it already has.
+
+Healing (cluster/replica_health.py, cluster/restart_budget.py): restarts are a rate, at
+most `max_worker_restarts` within `restart_window_s`, spaced by a doubling backoff.
+Beyond the budget the replica gives up: its requests finish with an error and the router
+skips it. After `replica_cooldown_s` the loop starts a worker again; once it answers,
+the replica is routable again with an empty cache and a fresh budget.
 
 Data flows one way. Requests come in through `add` (which raises at once on a request the
 scheduler refuses). Outputs go out through `emit(replica, updates)`, called on the loop
@@ -37,6 +42,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from cluster.config import EngineConfig
 from cluster.errors import EngineDeadError
 from cluster.placement import release, scheduling_strategy
+from cluster.replica_health import ReplicaHealth
 from scheduler.protocol import StepResult, pack_int32, sampled_on_device
 from scheduler.request import FinishReason, Request, RequestUpdate
 from scheduler.scheduler import Scheduler
@@ -74,7 +80,8 @@ class Replica:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (request_id, FinishReason) to finish
         self._wakeup = threading.Event()
         self._stopping = False
-        self.dead = False
+        self._stopped = threading.Event()  # interrupts backoff and cool-down waits
+        self.health_state = ReplicaHealth(index, config)
         self.workers: list = []  # rank 0 first; empty while (re)starting
         self.info: dict = {}
         self.scheduler: Scheduler | None = None
@@ -93,8 +100,14 @@ class Replica:
         self.info = self._start_worker()
         self.scheduler = Scheduler(self.config.scheduler_config(
             num_blocks=self.info["num_kv_blocks"], max_model_len=self.info["max_model_len"]))
+        self.health_state.on_up()
         self._thread = threading.Thread(target=self._loop, name=f"raylm-replica-{self.index}", daemon=True)
         self._thread.start()
+
+    @property
+    def dead(self) -> bool:
+        """Not routable: it gave up (cooling down before a retry) or was shut down."""
+        return not self.health_state.routable
 
     @property
     def worker(self):
@@ -124,10 +137,12 @@ class Replica:
 
     def shutdown(self) -> None:
         self._stopping = True
+        self._stopped.set()
         self._wakeup.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
         self._kill_worker()
+        self.health_state.state = "stopped"
         release(self._pg)
 
     def _kill_worker(self) -> None:
@@ -143,7 +158,8 @@ class Replica:
         """Queue `request`; raises (ValueError, EngineDeadError) when it cannot be served here."""
         with self._lock:
             if self.dead:
-                raise EngineDeadError(f"replica {self.index} is down: its worker failed beyond the restart budget")
+                raise EngineDeadError(f"replica {self.index} is down: its worker failed beyond the restart budget "
+                                      f"(retry in {self.health_state.cooldown_left():.0f} s)")
             self.scheduler.add_request(request)
         self._wakeup.set()
 
@@ -173,6 +189,9 @@ class Replica:
         inflight: deque = deque()  # (plan, ObjectRef)
         while not self._stopping:
             self.stats.loop_iterations += 1
+            if self.health_state.state == "down":
+                self._rejoin_after_cooldown()
+                continue
             with self._lock:
                 self._drain_inbox()
                 while len(inflight) < self._depth and not self.dead:
@@ -191,6 +210,7 @@ class Replica:
                 inflight.clear()
                 self._recover(e)
                 continue
+            self.health_state.budget.on_step_served()
             updates = self._apply(plan, data)
             if updates:
                 self._emit(self, updates)  # no lock held: the engine may post_finish right back
@@ -253,14 +273,18 @@ class Replica:
         result.token_ids = pack_int32(ids)
         result.logprobs = logprobs
 
-    def _recover(self, error: Exception) -> None:
-        """The worker is dead, raised, or hung: replace it and recompute."""
+    def _recover(self, error: BaseException) -> None:
+        """The worker is dead, raised, or hung: replace it and recompute, within the budget."""
         log.warning("replica %d: worker failed (%s: %s); restarting", self.index, type(error).__name__, error)
         while not self._stopping:
             self._kill_worker()
-            self.stats.restarts += 1
-            if self.stats.restarts > self.config.max_worker_restarts:
-                self._give_up(f"worker failed {self.stats.restarts} times; last error: {type(error).__name__}: {error}")
+            decision = self.health_state.on_failure(error)
+            self.stats.restarts = self.health_state.budget.total_restarts
+            if decision.give_up:
+                self._give_up(f"worker failed {self.health_state.budget.max_restarts + 1} times within "
+                              f"{self.config.restart_window_s:.0f} s; last error: {self.health_state.last_error}")
+                return
+            if decision.delay_s and self._stopped.wait(decision.delay_s):
                 return
             try:
                 self._start_worker()
@@ -271,14 +295,35 @@ class Replica:
             with self._lock:
                 self._drain_inbox()
                 self.scheduler.recover()
+            self.health_state.on_up()
             return
 
     def _give_up(self, message: str) -> None:
-        log.error("replica %d: giving up: %s", self.index, message)
-        with self._lock:
-            self.dead = True
+        log.error("replica %d: giving up for %.0f s: %s", self.index, self.config.replica_cooldown_s, message)
+        with self._lock:  # the health state says "down" already: add() refuses from here on
             failed = self.scheduler.fail_all(message)
         self._emit(self, [RequestUpdate(r, [], [], True) for r in failed])
+
+    def _rejoin_after_cooldown(self) -> None:
+        """Down: wait out the cool-down, then start a worker; routable again once it is up."""
+        if self._stopped.wait(self.health_state.cooldown_left()):
+            return
+        self.health_state.on_cooldown_over()
+        log.info("replica %d: cool-down over; starting a worker", self.index)
+        try:
+            self._start_worker()
+        except Exception as e:  # stays down; the budget decides when to try next
+            log.warning("replica %d: retry after cool-down failed: %s", self.index, e)
+            self._kill_worker()
+            self.health_state.on_failure(e)
+            self.stats.restarts = self.health_state.budget.total_restarts
+            return
+        with self._lock:
+            self._drain_inbox()
+            self.scheduler.recover()  # an empty pool and cache: the new worker has neither
+        self.health_state.on_up()
+        log.info("replica %d: serving again", self.index)
+        self._wakeup.set()
 
     def worker_stats(self) -> dict:
         try:
@@ -286,13 +331,16 @@ class Replica:
         except Exception as e:
             return {"error": str(e)}
 
+    def health(self) -> dict:
+        return self.health_state.describe()
+
     def snapshot(self) -> dict:
         with self._lock:
             self._drain_inbox()
             sched = self.scheduler.stats()
         s = self.stats
         return {
-            "replica": self.index,
+            **self.health_state.describe(),
             "alive": not self.dead,
             **sched,
             "steps_returned": s.steps,

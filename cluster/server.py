@@ -1,13 +1,19 @@
 """OpenAI-compatible HTTP in front of an LLMHandle (FastAPI + uvicorn).
 
-/v1/completions, /v1/chat/completions (SSE streaming), /v1/models, /health (503 until
-the model is loaded) and /metrics (Prometheus). Errors are OpenAI's error JSON:
-400 bad input (naming the field and value), 401 bad or missing API key, 404 unknown
-model or route, 413 body over the limit, 429 queue full, 503 not ready or no replica.
+/v1/completions, /v1/chat/completions (SSE streaming), /v1/models, /health and
+/metrics (Prometheus). Errors are OpenAI's error JSON: 400 bad input (naming the field
+and value), 401 bad or missing API key, 404 unknown model or route, 413 body over the
+limit, 429 queue full, 503 not ready or no replica (with Retry-After).
+
+/health is 200 `{"status": "ok"}` when every replica serves, 200 `"degraded"` when some
+are down, and 503 `"loading"` / `"unavailable"` with the reason and each replica's state
+when none can serve. A client that disconnects, streaming or not, aborts its request.
+The list prompts of one /v1/completions request run at once; choices keep their order.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
@@ -15,6 +21,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import openai_api as oa
@@ -22,16 +29,22 @@ from cluster.errors import EngineDeadError, EngineOverloadedError
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs until the context is full
+RETRY_AFTER_S = 5  # what a 503 tells clients when the engine gives no better estimate
 
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, retry_after: float | None = None):
         super().__init__(message)
         self.status, self.kind, self.param, self.code = status, kind, param, code
+        if retry_after is None and status == 503:
+            retry_after = RETRY_AFTER_S
+        self.retry_after = retry_after
 
     def response(self) -> JSONResponse:
-        return JSONResponse(oa.error_body(str(self), self.kind, self.param, self.code), status_code=self.status)
+        headers = {"Retry-After": str(max(1, round(self.retry_after)))} if self.retry_after is not None else None
+        return JSONResponse(oa.error_body(str(self), self.kind, self.param, self.code), status_code=self.status,
+                            headers=headers)
 
 
 def _from_exception(e: BaseException) -> ApiError:
@@ -40,7 +53,7 @@ def _from_exception(e: BaseException) -> ApiError:
     if isinstance(e, EngineOverloadedError):
         return ApiError(429, str(e), "rate_limit_error")
     if isinstance(e, EngineDeadError):
-        return ApiError(503, str(e), "service_unavailable")
+        return ApiError(503, str(e), "service_unavailable", retry_after=e.retry_after_s)
     if isinstance(e, ValueError):
         return ApiError(400, str(e))
     return ApiError(500, f"{type(e).__name__}: {e}", "internal_error")
@@ -55,11 +68,10 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        too_big = ApiError(413, f"request body is larger than the limit of {self.limit} bytes",
-                           param="body", code="body_too_large").response()
         for k, v in scope.get("headers", []):
             if k == b"content-length" and v.isdigit() and int(v) > self.limit:
-                return await too_big(scope, receive, send)
+                return await ApiError(413, f"request body is larger than the limit of {self.limit} bytes",
+                                      param="body", code="body_too_large").response()(scope, receive, send)
         seen = 0
 
         async def counted():
@@ -75,6 +87,23 @@ class BodyLimit:
             await self.app(scope, counted, send)
         except ApiError as e:
             await e.response()(scope, receive, send)
+
+
+class ApiKeyAuth:
+    """ASGI middleware: every /v1 route needs `Authorization: Bearer <key>` (plain ASGI,
+    so streamed responses pass straight through)."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.state.api_key and scope["path"].startswith("/v1"):
+            given = next((v for k, v in scope.get("headers", []) if k == b"authorization"), b"")
+            expected = f"Bearer {self.state.api_key}".encode()
+            if not hmac.compare_digest(given, expected):
+                return await ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                      code="invalid_api_key").response()(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 class ServerState:
@@ -99,28 +128,27 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
     async def _api_error(_req, exc: ApiError):
         return exc.response()
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if request.url.path.startswith("/v1") and state.api_key:
-            given = request.headers.get("authorization", "")
-            expected = f"Bearer {state.api_key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
-                return ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                code="invalid_api_key").response()
-        return await call_next(request)
-
     @app.get("/health")
     async def health():
         if state.handle is None:
-            msg = state.startup_error or "model is loading"
-            return ApiError(503, msg, "service_unavailable").response()
-        return {"status": "ok"}
+            body = {"status": "unavailable" if state.startup_error else "loading",
+                    "reason": state.startup_error or "the model is loading", "replicas": []}
+            return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+        try:
+            h = await run_in_threadpool(state.handle.health)
+        except Exception as e:  # the engine itself is gone
+            h = {"status": "unavailable", "reason": f"the engine does not answer: {type(e).__name__}: {e}",
+                 "replicas": [], "retry_after_s": None}
+        if h["status"] != "unavailable":
+            return JSONResponse(h)
+        wait = h.get("retry_after_s") or RETRY_AFTER_S
+        return JSONResponse(h, status_code=503, headers={"Retry-After": str(max(1, round(wait)))})
 
     @app.get("/metrics")
     async def metrics():
         if state.handle is None:
             return Response(b"", media_type="text/plain; version=0.0.4")
-        return Response(state.handle.metrics_text(), media_type="text/plain; version=0.0.4")
+        return Response(await run_in_threadpool(state.handle.metrics_text), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():
@@ -137,11 +165,10 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         if body.stream:
             if len(prompts) != 1:
                 raise ApiError(400, f"streaming takes one prompt, got {len(prompts)}", param="prompt")
-            return await _stream(handle.astream(prompts[0], params), _completion_events(rid, body))
-        try:
-            outs = [await handle.agenerate(p, params) for p in prompts]
-        except Exception as e:
-            raise _from_exception(e) from e
+            return await _stream(handle.astream_batches(prompts[0], params), _completion_events(rid, body))
+        outs = await _unless_disconnected(request, _generate_all(handle, prompts, params))
+        if outs is None:
+            return Response(status_code=499)  # nobody reads it
         _raise_if_failed(outs)
         return oa.completion_response(rid, body.model, outs)
 
@@ -153,20 +180,20 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
             body.max_tokens = body.max_completion_tokens
         try:
             params = _params(body, None, body.logprobs_n())  # None: until the context is full
-            prompt = handle.apply_chat_template(body.chat_messages())
+            prompt = await run_in_threadpool(handle.apply_chat_template, body.chat_messages())
         except Exception as e:
             raise _from_exception(e) from e
         rid = oa.new_id("chatcmpl")
         if body.stream:
-            return await _stream(handle.astream(prompt, params), _chat_events(rid, body))
-        try:
-            out = await handle.agenerate(prompt, params)
-        except Exception as e:
-            raise _from_exception(e) from e
+            return await _stream(handle.astream_batches(prompt, params), _chat_events(rid, body))
+        outs = await _unless_disconnected(request, _generate_all(handle, [prompt], params))
+        if outs is None:
+            return Response(status_code=499)
+        out = outs[0]
         _raise_if_failed([out])
         return oa.chat_response(rid, body.model, out)
 
-    return BodyLimit(app, max_body_bytes)
+    return BodyLimit(ApiKeyAuth(app, state), max_body_bytes)
 
 
 async def _parse(request: Request, model, state: ServerState):
@@ -204,58 +231,109 @@ def _params(body, max_tokens_default: int | None, logprobs):
         raise ApiError(400, str(e), param=field) from None
 
 
+async def _generate_all(handle, prompts: list, params) -> list:
+    """Every prompt at once; outputs in input order. One failing cancels (aborts) the rest."""
+    tasks = [asyncio.ensure_future(handle.agenerate(p, params)) for p in prompts]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException as e:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if isinstance(e, Exception):
+            raise _from_exception(e) from e
+        raise
+
+
+async def _unless_disconnected(request: Request, work):
+    """Await `work`, unless the client disconnects first: then cancel it (which aborts
+    its requests) and return None."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler was cancelled itself
+        task.cancel()
+        watch.cancel()
+        raise
+    watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body is read already, so the next
+    message uvicorn hands over is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
 def _raise_if_failed(outs) -> None:
     for o in outs:
         if o.finish_reason == "error":
             raise ApiError(503, f"generation failed: {o.error}", "service_unavailable")
 
 
-async def _stream(deltas, render):
-    """Start the request (so bad input is a plain 400), then stream SSE events."""
+async def _stream(batches, render):
+    """Start the request (so bad input is a plain 400), then stream SSE events: one
+    write per batch of deltas (a client that fell behind gets them joined)."""
     try:
-        first = await deltas.__anext__()
+        first = await batches.__anext__()
     except Exception as e:
         raise _from_exception(e) from e
 
     async def events():
         try:
-            async for chunk in render(first, deltas):
-                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            async for chunks in render(first, batches):
+                yield "".join(f"data: {json.dumps(c, ensure_ascii=False)}\n\n" for c in chunks)
             yield "data: [DONE]\n\n"
         finally:  # the client went away: aclose aborts the request
-            await deltas.aclose()
+            await batches.aclose()
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
 def _completion_events(rid: str, body):
-    async def render(first, deltas):
+    async def render(first, batches):
         created, offset = int(time.time()), 0
-        async for d in _chain(first, deltas):
-            if d.finish_reason == "error":
-                yield oa.error_body(f"generation failed: {d.output.error}", "service_unavailable")
-                return
-            yield oa.completion_chunk(rid, body.model, created, d, offset)
-            offset += len(d.text)
-            if d.finished and body.include_usage:
-                yield oa.usage_chunk(rid, "text_completion", body.model, created,
-                                     d.output.num_prompt_tokens, len(d.output.token_ids))
+        async for batch in _chain(first, batches):
+            chunks = []
+            for d in batch:
+                if d.finish_reason == "error":
+                    chunks.append(oa.error_body(f"generation failed: {d.output.error}", "service_unavailable"))
+                    yield chunks
+                    return
+                chunks.append(oa.completion_chunk(rid, body.model, created, d, offset))
+                offset += len(d.text)
+                if d.finished and body.include_usage:
+                    chunks.append(oa.usage_chunk(rid, "text_completion", body.model, created,
+                                                 d.output.num_prompt_tokens, len(d.output.token_ids)))
+            yield chunks
     return render
 
 
 def _chat_events(rid: str, body):
-    async def render(first, deltas):
+    async def render(first, batches):
         created = int(time.time())
-        yield oa.chat_chunk(rid, body.model, created, {"role": "assistant", "content": ""})
-        async for d in _chain(first, deltas):
-            if d.finish_reason == "error":
-                yield oa.error_body(f"generation failed: {d.output.error}", "service_unavailable")
-                return
-            yield oa.chat_chunk(rid, body.model, created, {"content": d.text} if d.text else {}, d.logprobs,
-                                d.finish_reason)
-            if d.finished and body.include_usage:
-                yield oa.usage_chunk(rid, "chat.completion.chunk", body.model, created,
-                                     d.output.num_prompt_tokens, len(d.output.token_ids))
+        chunks = [oa.chat_chunk(rid, body.model, created, {"role": "assistant", "content": ""})]
+        async for batch in _chain(first, batches):
+            for d in batch:
+                if d.finish_reason == "error":
+                    chunks.append(oa.error_body(f"generation failed: {d.output.error}", "service_unavailable"))
+                    yield chunks
+                    return
+                chunks.append(oa.chat_chunk(rid, body.model, created, {"content": d.text} if d.text else {},
+                                            d.logprobs, d.finish_reason))
+                if d.finished and body.include_usage:
+                    chunks.append(oa.usage_chunk(rid, "chat.completion.chunk", body.model, created,
+                                                 d.output.num_prompt_tokens, len(d.output.token_ids)))
+            yield chunks
+            chunks = []
     return render
 
 

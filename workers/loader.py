@@ -23,7 +23,7 @@ from urllib.parse import parse_qsl
 import torch
 from safetensors import safe_open
 
-from workers.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from workers.models.qwen3 import PreparedWeights, Qwen3Config, Qwen3ForCausalLM
 from workers.parallel import SINGLE, TensorParallel, shard_of
 from workers.runner_config import DTYPE_ALIASES, DTYPE_NAMES, canonical_dtype
 
@@ -154,6 +154,7 @@ def cast_model(model: Qwen3ForCausalLM, dtype: torch.dtype, device=None, *, copy
     model = model.to(device=device, dtype=dtype)
     model.tie_weights()
     model.reset_rotary()
+    model.prepared = PreparedWeights()  # new weights: the op table prepares them again
     return model
 
 

@@ -36,6 +36,7 @@ from workers.loader import (
 )
 from workers.logits_codec import encode_logits
 from workers.models.qwen3 import Qwen3ForCausalLM
+from workers.ops import get_op_table
 from workers.parallel import SINGLE, TensorParallel
 from workers.resident import ResidentOutputs
 from workers.runner_config import RunnerConfig, device_outputs_enabled
@@ -92,6 +93,9 @@ class ModelRunner:
         self.model = model.eval()
         mc = model.config
         self.vocab_size = min(mc.vocab_size, tokenizer_size or mc.vocab_size)  # the real vocab
+        self.ops = get_op_table(self.device, config.ops)
+        with torch.no_grad():
+            self.model.prepare(self.ops, logits_rows=self.vocab_size)  # weights fused / packed once
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
@@ -231,6 +235,7 @@ class ModelRunner:
             "tensor_parallel_size": self.parallel.world_size,
             "collective_s": self.parallel.collective_s,
             "collectives": self.parallel.num_collectives,
+            "ops": self.ops.describe(),
         }
 
     def close(self) -> None:

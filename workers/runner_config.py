@@ -65,3 +65,4 @@ class RunnerConfig:
     device_outputs: bool | None = None  # None -> RAYLM_DEVICE_OUTPUTS (default on)
     seed: int = 0  # for unseeded sampling
     num_threads: int | None = None  # torch.set_num_threads on the CPU when given
+    ops: str | None = None  # op table: "reference" | "cpu" | "cuda" | "npu"; None -> RAYLM_OPS or the device's own

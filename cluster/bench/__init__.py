@@ -6,6 +6,7 @@ registers (cluster/cli.py); nothing else in the product imports it.
     workload.py     seeded random prompts and output lengths
     contenders.py   raylm through the engine, and the bare ModelRunner + Scheduler loop
     hf_runs.py      HF transformers on the same weight tensors
+    vllm_peer.py    vLLM's CPU build in a subprocess (its own venv) on the same checkpoint
     figures.py      throughput, latency percentiles, output agreement
     report.py       ratios, targets, the printed table and the JSON
     plot.py         the PNG (matplotlib)

@@ -19,6 +19,11 @@ round of `--repeat`, and the figures printed are the medians over rounds.
   to the longest output. Only the tokens each request asked for count.
 - `--compare bare`: the same requests through ModelRunner driven directly by the real
   Scheduler in this process (no Ray, no detokenizing, no pipelining).
+- `--compare vllm`: the same requests through vLLM's CPU build (`make peers`; its venv by
+  `--peers-venv`) in a subprocess that lives through all rounds (prefix cache reset before
+  each), on the same checkpoint: a random model is first saved as one (bf16 weights,
+  `save_pretrained`, a word-level tokenizer of exactly the vocab) and every contender loads it.
+  vLLM computes in `--vllm-dtype` (auto: float32 on a CPU without AVX512-BF16/AMX, as raylm).
 - `--ab device-outputs`: device outputs (ids back) against host logits (logits back,
   sampled on the driver).
 - `--replicas 1,2`: each replica count with cores // replicas threads per worker (or
@@ -122,9 +127,16 @@ def add_parser(sub) -> None:
                    help="max sequences per step (raylm max_num_seqs, HF's batch); a list sweeps")
     b.add_argument("--max-num-batched-tokens", type=int, default=2048)
     b.add_argument("--block-size", type=int, default=16)
-    b.add_argument("--compare", type=_names(("hf", "bare"), "--compare"), default=[],
+    b.add_argument("--compare", type=_names(("hf", "bare", "vllm"), "--compare"), default=[],
                    help="hf: the same requests through HF transformers; bare: through ModelRunner + Scheduler "
                         "in this process")
+    b.add_argument("--vllm-dtype", default="auto", choices=("auto",) + DTYPE_NAMES,
+                   help="vLLM's compute dtype (auto: float32 unless the CPU has AVX512-BF16 or AMX)")
+    b.add_argument("--peers-venv", default=None,
+                   help="the venv holding vLLM for --compare vllm (default RAYLM_PEERS_VENV or .venv-peers)")
+    b.add_argument("--checkpoint-dir", default=None,
+                   help="where --compare vllm saves a random model as a checkpoint "
+                        "(default ~/.cache/raylm/checkpoints/<spec>)")
     b.add_argument("--hf-modes", type=_names(HF_MODES, "--hf-modes"), default=["cb", "generate"],
                    help="HF contenders (default cb,generate; generate_batch runs every request to the longest)")
     b.add_argument("--ab", choices=["device-outputs"], default=None,
@@ -134,6 +146,14 @@ def add_parser(sub) -> None:
                    help="torch threads per worker (default: cores // replicas)")
     b.add_argument("--serve", action="store_true", help="serving load: Poisson arrivals at --rate")
     b.add_argument("--rate", type=_rates, default=[1.0], help="requests per second (list; inf: all at once)")
+    b.add_argument("--serve-http", action="store_true",
+                   help="drive a real `raylm serve` over HTTP with concurrent streaming clients (vLLM's bench serve "
+                        "figures); the bundled tiny model unless --model names a checkpoint; first of --input-len, "
+                        "--output-len, --rate and --batch-size (max_num_seqs)")
+    b.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="with --serve-http: the server's queue bound (a flood beyond it gets 429)")
+    b.add_argument("--in-process", action="store_true",
+                   help="with --serve-http: the same requests through cluster.launch() too, for the ratio")
     b.add_argument("--repeat", type=int, default=1, help="rounds of the offline runs (order reversed every other)")
     b.add_argument("--address", default=None, help="Ray address to join (default: this process's or a local one)")
     b.add_argument("--json", default=None, metavar="PATH", help="write every figure here (updated after each run)")
@@ -153,6 +173,19 @@ def _model_spec(a) -> str:
     if a.layers is not None:
         raise ValueError("--layers applies to a random model, not to a checkpoint directory")
     return os.path.expanduser(a.model)
+
+
+def _as_checkpoint(model_spec: str, directory: str | None) -> str:
+    """A random spec saved as a checkpoint directory (once; reused), so vLLM loads the same weights."""
+    from cluster.bench.vllm_peer import save_checkpoint
+    from workers.loader import is_random_spec
+
+    if not is_random_spec(model_spec):
+        return model_spec
+    slug = model_spec.split(":", 1)[1].replace("?", "-").replace("&", "-").replace("=", "")
+    directory = directory or os.path.join(os.path.expanduser("~/.cache/raylm/checkpoints"), slug)
+    save_checkpoint(model_spec, directory)
+    return directory
 
 
 def _vocab_size(model_spec: str) -> int:
@@ -184,6 +217,11 @@ def _machine() -> dict:
 def run(a: argparse.Namespace) -> int:
     import cluster
 
+    if a.serve_http:
+        import cluster.bench.serve_http as serve_http
+
+        return serve_http.run(a)
+
     if a.plot:
         try:
             import matplotlib  # noqa: F401
@@ -198,6 +236,8 @@ def run(a: argparse.Namespace) -> int:
         raise ValueError(f"--threads-per-worker must be >= 1, got {a.threads_per_worker}")
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)  # HF's per-run INFO chatter
     model_spec = _model_spec(a)
+    if "vllm" in a.compare:
+        model_spec = _as_checkpoint(model_spec, a.checkpoint_dir)
     vocab = _vocab_size(model_spec)
     wl = make_workload(a.num_requests, a.input_len, a.output_len, vocab, a.seed)
     owns_ray = cluster.ensure_ray(a.address)
@@ -207,11 +247,14 @@ def run(a: argparse.Namespace) -> int:
         cores = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
         bench = Bench(a, model_spec, wl, vocab, cores)
         bench.report["machine"] = _machine()
-        if a.serve:
-            bench.execute_serve()
-        else:
-            bench.plan()
-            bench.execute()
+        try:
+            if a.serve:
+                bench.execute_serve()
+            else:
+                bench.plan()
+                bench.execute()
+        finally:
+            bench.close()
         print_report(bench)
         write_json(bench)
         if a.plot:

@@ -40,6 +40,10 @@ def ratios(bench: Bench) -> dict:
             v = ray_tok / tok("raylm host-logits" + sfx)
             out[f"device outputs / host logits{sfx}"] = v
             targets[f"device outputs >= 1.15x host logits{sfx}"] = (v, 1.15)
+        if tok("vllm" + sfx):
+            v = ray_tok / tok("vllm" + sfx)
+            out[f"raylm / vllm{sfx}"] = v
+            targets[f"raylm >= 1.25x vLLM{sfx}"] = (v, 1.25)
         if tok("bare" + sfx):
             v = ray_tok / tok("bare" + sfx)
             out[f"engine / bare step loop{sfx}"] = v

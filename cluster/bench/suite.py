@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ log = logging.getLogger("raylm.bench")
 @dataclass
 class Run:
     name: str
-    kind: str  # raylm | bare | hf-cb | hf-generate | hf-generate_batch | serve
+    kind: str  # raylm | bare | vllm | hf-cb | hf-generate | hf-generate_batch | serve
     spec: EngineSpec
     reference: bool = False  # its first round's outputs are what the others' agreement is measured against
     rounds: list[dict] = field(default_factory=list)
@@ -55,6 +56,7 @@ class Bench:
         self.runs: list[Run] = []
         self.serve_runs: list[Run] = []
         self.reference_outputs: dict[int, list[list[int]]] = {}  # batch size -> the base raylm run's ids
+        self.peers: dict = {}  # batch size -> a VLLMPeer kept through the rounds
         self.report: dict = {}
 
     def spec(self, *, replicas: int, threads: int, device_outputs: bool = True, batch_size: int) -> EngineSpec:
@@ -85,6 +87,8 @@ class Bench:
             in_process = self.spec(replicas=1, threads=t0, batch_size=bsz)
             if "bare" in a.compare:
                 self.runs.append(Run("bare" + sfx, "bare", in_process))
+            if "vllm" in a.compare:
+                self.runs.append(Run("vllm" + sfx, "vllm", in_process))
             if "hf" in a.compare:
                 for m in a.hf_modes:
                     for dt in self.hf_dtypes():
@@ -104,13 +108,16 @@ class Bench:
 
         a = self.a
         model = None
-        if any(r.kind != "raylm" for r in self.runs):
+        if any(r.kind not in ("raylm", "vllm") for r in self.runs):
             t = time.perf_counter()
             model = driver_model(self.model_spec, a.dtype)
             log.info("driver copy of the model built in %.1fs", time.perf_counter() - t)
         hfs = {dt: hf_model(model if dt == a.dtype else cast_model(model, resolve_dtype(dt), copy=True))
                for dt in self.hf_dtypes()} if any(r.kind.startswith("hf-") for r in self.runs) else {}
         mine = weights_fingerprint(model) if model is not None and is_random_spec(self.model_spec) else None
+        for run in self.runs:  # vLLM starts (and compiles) first: a failure shows before any long run
+            if run.kind == "vllm":
+                self.peer(run)
         for rnd in range(a.repeat):
             order = self.runs if rnd % 2 == 0 else self.runs[::-1]
             for run in order:
@@ -118,6 +125,8 @@ class Bench:
                 if run.kind == "raylm":
                     tag = f"{run.name.replace(' ', '_')}-r{rnd}"
                     fig, outs = run_raylm(run.spec, self.wl, self.vocab_size, a.profile, tag)
+                elif run.kind == "vllm":
+                    fig, outs = self.run_vllm(run)
                 else:
                     set_cpu_threads(run.spec.threads)
                     if run.kind == "bare":
@@ -137,6 +146,36 @@ class Bench:
                 run.rounds.append(fig)
                 log.info("%s: %.2f output tok/s (%.1fs)", run.name, fig["output_tok_s"], fig["elapsed_s"])
                 write_json(self)
+
+    def run_vllm(self, run: Run) -> tuple[dict, list[list[int]]]:
+        """vLLM on the same checkpoint and requests; one engine per batch size, kept for all rounds."""
+        from cluster.bench.figures import throughput_figures
+
+        peer = self.peer(run)
+        elapsed, outs = peer.run(self.wl.prompts, self.wl.output_lens)
+        fig = throughput_figures(self.wl, elapsed, sum(map(len, outs)), [], [])
+        fig.update(launch_s=peer.launch_s, vllm_version=peer.version, compute_dtype=peer.dtype)
+        return fig, outs
+
+    def peer(self, run: Run):
+        """The vLLM engine of this run's batch size, started on first use and kept for all rounds."""
+        from cluster.bench.vllm_peer import VLLMPeer, peer_dtype
+
+        a = self.a
+        peer = self.peers.get(run.spec.batch_size)
+        if peer is None:
+            log_path = os.path.join(os.path.dirname(a.json or "") or ".", "vllm-peer.log")
+            peer = VLLMPeer(self.model_spec, dtype=peer_dtype(a.vllm_dtype), max_num_seqs=run.spec.batch_size,
+                            max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
+                            threads=run.spec.threads, venv=a.peers_venv, log_path=log_path)
+            log.info("vLLM %s (%s) up in %.1fs; its log: %s", peer.version, peer.dtype, peer.launch_s, log_path)
+            self.peers[run.spec.batch_size] = peer
+        return peer
+
+    def close(self) -> None:
+        for peer in self.peers.values():
+            peer.close()
+        self.peers.clear()
 
     def execute_serve(self) -> None:
         a = self.a

@@ -165,3 +165,121 @@ def test_connect_gives_a_full_handle(server):
         h.generate("Hello", SamplingParams(max_tokens=10**6))
     with pytest.raises(ValueError, match="no raylm engine"):
         cluster.connect("no-such-engine")
+
+
+def _stats(server) -> dict:
+    return server["state"].handle.stats()
+
+
+def _wait_until_idle(server, timeout=60) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = _stats(server)
+        if s["num_running"] == 0 and s["num_waiting"] == 0:
+            return s
+        assert time.monotonic() < deadline, f"requests still running: {s['num_running']}"
+        time.sleep(0.05)
+
+
+def _aborted(server) -> float:
+    text = httpx.get(server["base"] + "/metrics").text
+    for ln in text.splitlines():
+        if ln.startswith('raylm_requests_total{finish_reason="abort"}'):
+            return float(ln.split(" ")[1])
+    return 0.0
+
+
+LONG = {"model": MODEL, "prompt": "Hello", "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def test_a_non_streaming_client_that_gives_up_aborts_its_request(server):
+    _wait_until_idle(server)
+    before, tokens_before = _aborted(server), _stats(server)["generated_tokens"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server["base"] + "/v1/completions", json=LONG, headers=AUTH, timeout=1.5)
+    after = _wait_until_idle(server)
+    assert _aborted(server) == before + 1
+    assert after["generated_tokens"] - tokens_before < LONG["max_tokens"]
+    assert after["kv_blocks_used"] == 0
+
+
+def test_a_streaming_client_that_disconnects_aborts_its_request(server):
+    _wait_until_idle(server)
+    before, tokens_before = _aborted(server), _stats(server)["generated_tokens"]
+    with httpx.stream("POST", server["base"] + "/v1/completions", json={**LONG, "stream": True}, headers=AUTH,
+                      timeout=60) as r:
+        first = next(r.iter_lines())
+        assert first.startswith("data: ")
+    after = _wait_until_idle(server)
+    assert _aborted(server) == before + 1
+    assert after["generated_tokens"] - tokens_before < LONG["max_tokens"]
+
+
+def test_list_prompts_return_in_input_order(server, client):
+    prompts = ["Once upon a time", "Hello", "北京故宫是", "The quick brown fox jumps over the lazy dog"]
+    one_by_one = [client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text
+                  for p in prompts]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == one_by_one
+    with pytest.raises(openai.BadRequestError, match="token ids"):  # one bad prompt fails the whole request
+        client.completions.create(model=MODEL, prompt=[[5, 6, 7], [10**6]], max_tokens=8)
+    assert _wait_until_idle(server)["kv_blocks_used"] == 0
+
+
+def test_many_concurrent_streams_share_one_channel_in_order(server):
+    import asyncio
+
+    h = cluster.connect(NAME)
+    prompts = [f"request {i} says" + " hello" * (i % 5) for i in range(24)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    expected = h.generate(prompts, params)
+    before = h.stats()
+
+    async def one(p):
+        deltas = [d async for d in h.astream(p, params)]
+        return deltas
+
+    async def main():
+        return await asyncio.gather(*[one(p) for p in prompts])
+
+    streams = asyncio.run(main())
+    after = h.stats()
+    h.shutdown()
+    for deltas, want in zip(streams, expected):
+        assert [t for d in deltas for t in d.token_ids] == want.token_ids
+        assert "".join(d.text for d in deltas) == want.text
+        assert deltas[-1].output.token_ids == want.token_ids and deltas[-1].finish_reason == "length"
+    deltas = after["frontend_deltas"] - before["frontend_deltas"]
+    batches = after["frontend_batches"] - before["frontend_batches"]
+    assert deltas >= sum(len(s) for s in streams)
+    assert batches < deltas / 4, "deltas should cross in batches, not one message each"
+
+
+def test_a_frontend_that_goes_away_has_its_requests_aborted(server, ray_session, tmp_path):
+    import subprocess
+    import sys
+
+    _wait_until_idle(server)
+    before = _aborted(server)
+    script = (
+        "import sys, time, cluster\n"
+        f"h = cluster.connect({NAME!r}, address={ray_session.get_runtime_context().gcs_address!r}, lease_s=2.0)\n"
+        "for i in range(3):\n"
+        "    h._engine.add_request('Hello', cluster.SamplingParams(max_tokens=900, ignore_eos=True))\n"
+        "print('submitted', flush=True)\n"
+        "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "submitted"
+        deadline = time.monotonic() + 60
+        while _stats(server)["num_running"] + _stats(server)["num_waiting"] < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        proc.kill()  # no goodbye: the engine only notices the missing heartbeat
+        proc.wait()
+    after = _wait_until_idle(server)
+    assert _aborted(server) == before + 3
+    assert after["frontends_expired"] >= 1 and after["kv_blocks_used"] == 0

@@ -38,13 +38,13 @@ def save_hf(path: Path, *, tied: bool = True, **save_kwargs) -> torch.nn.Module:
 
 
 def our_logits(model, ids):
-    from workers.attention import AttentionMetadata, PrefillChunk
     from workers.kv_cache import KVCache
+    from workers.ops.metadata import SequenceRows, build_metadata
 
     c, n = model.config, len(ids)
     cache = KVCache(num_layers=c.num_hidden_layers, num_blocks=4, block_size=16,
                     num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=model.dtype)
-    attn = AttentionMetadata.build(slot_mapping=torch.arange(n), block_size=16, prefills=[PrefillChunk(0, n, 0)])
+    attn = build_metadata([SequenceRows(0, n, list(range((n + 15) // 16)))], num_decode=0, block_size=16)
     with torch.inference_mode():
         hidden = model.embed(torch.tensor(ids), out=torch.empty(n, c.hidden_size, dtype=model.dtype))
         out = model(hidden, torch.arange(n), cache, attn)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.attention import AttentionMetadata, PrefillChunk
 from workers.kv_cache import KVCache
 from workers.loader import bundled_model_path, load_model
 from workers.models.qwen3 import Qwen3Config
+from workers.ops.metadata import SequenceRows, build_metadata
 
 BS = 4
 
@@ -53,8 +53,7 @@ def test_prefill_matches_hf(models):
     model, hf = models
     cache = make_cache(model)
     blocks = [7, 3, 9]
-    attn = AttentionMetadata.build(slot_mapping=slots_for(blocks, 0, len(PROMPT)), block_size=BS,
-                                   prefills=[PrefillChunk(0, len(PROMPT), 0)])
+    attn = build_metadata([SequenceRows(0, len(PROMPT), blocks)], num_decode=0, block_size=BS)
     logits = run(model, cache, PROMPT, range(len(PROMPT)), attn)
     torch.testing.assert_close(logits, hf_logits(hf, PROMPT), atol=1e-4, rtol=1e-4)
 
@@ -64,11 +63,10 @@ def test_chunk_after_cached_prefix_matches_hf(models):
     cache = make_cache(model)
     blocks = [2, 11, 5]
     k = 2 * BS  # two full cached blocks, then a chunk that reads them through the block table
-    run(model, cache, PROMPT[:k], range(k), AttentionMetadata.build(
-        slot_mapping=slots_for(blocks, 0, k), block_size=BS, prefills=[PrefillChunk(0, k, 0)]))
+    run(model, cache, PROMPT[:k], range(k), build_metadata([SequenceRows(0, k, blocks)], num_decode=0,
+                                                           block_size=BS))
     n = len(PROMPT) - k
-    attn = AttentionMetadata.build(slot_mapping=slots_for(blocks, k, n), block_size=BS,
-                                   prefills=[PrefillChunk(0, n, k, block_ids=torch.tensor(blocks))])
+    attn = build_metadata([SequenceRows(k, n, blocks)], num_decode=0, block_size=BS)
     logits = run(model, cache, PROMPT[k:], range(k, len(PROMPT)), attn)
     torch.testing.assert_close(logits, hf_logits(hf, PROMPT)[k:], atol=1e-4, rtol=1e-4)
 
@@ -81,18 +79,12 @@ def test_mixed_batch_of_decode_rows_and_a_chunk_matches_hf(models):
     tables = [[0, 1, 2], [3, 4], [5, 6]]
     for seq, table in zip(seqs[:2], tables):  # prefill all but the last token of the decode rows
         n = len(seq) - 1
-        run(model, cache, seq[:n], range(n), AttentionMetadata.build(
-            slot_mapping=slots_for(table, 0, n), block_size=BS, prefills=[PrefillChunk(0, n, 0)]))
+        run(model, cache, seq[:n], range(n), build_metadata([SequenceRows(0, n, table)], num_decode=0,
+                                                            block_size=BS))
     ids = [seqs[0][-1], seqs[1][-1]] + seqs[2]
     positions = [len(seqs[0]) - 1, len(seqs[1]) - 1] + list(range(len(seqs[2])))
-    slot_mapping = torch.cat([slots_for(tables[0], positions[0], 1), slots_for(tables[1], positions[1], 1),
-                              slots_for(tables[2], 0, len(seqs[2]))])
-    attn = AttentionMetadata.build(
-        slot_mapping=slot_mapping, block_size=BS,
-        decode_block_tables=torch.tensor([tables[0], tables[1] + [0]]),
-        decode_context_lens=torch.tensor([len(seqs[0]), len(seqs[1])]),
-        prefills=[PrefillChunk(2, len(seqs[2]), 0)],
-    )
+    attn = build_metadata([SequenceRows(positions[0], 1, tables[0]), SequenceRows(positions[1], 1, tables[1]),
+                           SequenceRows(0, len(seqs[2]), tables[2])], num_decode=2, block_size=BS)
     logits = run(model, cache, ids, positions, attn)
     torch.testing.assert_close(logits[0], hf_logits(hf, seqs[0])[-1], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits[1], hf_logits(hf, seqs[1])[-1], atol=1e-4, rtol=1e-4)

@@ -89,20 +89,19 @@ def test_the_callers_sampling_parts_ride_in_the_same_copy():
     assert inputs.sampling_floats[0].dtype == torch.float32 and staging.num_allocations == 1
 
 
-def test_decode_rows_see_their_blocks_padded_to_the_longest_and_chunks_gather_theirs():
+def test_attention_metadata_lists_decode_rows_then_chunks_with_padded_block_tables():
     rows = mixed_rows()
     inputs = build_step_inputs(rows, block_size=BS, last_tokens=torch.zeros(8, dtype=torch.int64),
                                staging=StepStaging(CPU))
     attn = inputs.attn
-    assert attn.num_decode == 2
-    # slot 3 (position 9) needs 3 blocks, slot 0 (position 6) needs 2, padded with block 0
-    assert attn.decode_block_tables.tolist() == [[2, 3, 4], [0, 1, 0]]
-    assert attn.decode_mask is not None and attn.decode_mask[:, 0, 0].sum(dim=1).tolist() == [10, 7]
-    chunk_after_hit, whole_prompt = attn.prefills
-    assert (chunk_after_hit.start, chunk_after_hit.num_tokens, chunk_after_hit.num_cached) == (2, 5, 4)
-    assert chunk_after_hit.block_ids.tolist() == [5, 6, 7]  # positions 0..8 span three blocks
-    assert (whole_prompt.start, whole_prompt.num_tokens, whole_prompt.num_cached) == (7, 3, 0)
-    assert whole_prompt.block_ids is None  # attends within itself: nothing to gather
+    assert attn.num_decode == 2 and attn.num_tokens == inputs.num_tokens == 10
+    # slot 3 decodes at position 9, slot 0 at 6; slot 5's chunk of 5 after a 4-token hit; slot 6's whole prompt of 3
+    assert attn.query_start_loc.tolist() == [0, 1, 2, 7, 10]
+    assert attn.seq_lens.tolist() == [10, 7, 9, 3] and attn.seq_lens_host == [10, 7, 9, 3]
+    assert attn.query_lens_host == [1, 1, 5, 3]
+    assert attn.block_tables.dtype == torch.int32 and attn.query_start_loc.dtype == torch.int32
+    # each row's blocks covering its keys, padded with block 0 to the longest
+    assert attn.block_tables.tolist() == [[2, 3, 4], [0, 1, 0], [5, 6, 7], [8, 0, 0]]
 
 
 def test_an_all_decode_step_samples_every_row_in_place():
@@ -114,5 +113,5 @@ def test_an_all_decode_step_samples_every_row_in_place():
     inputs = build_step_inputs(rows, block_size=BS, last_tokens=last_tokens, staging=StepStaging(CPU))
     assert inputs.logits_indices is None  # the flat batch is the sampling batch
     assert inputs.input_ids.tolist() == [22, 11] and inputs.positions.tolist() == [7, 7]
-    assert inputs.attn.decode_mask is None  # both contexts fill their two blocks: no padding to hide
+    assert inputs.attn.seq_lens.tolist() == [8, 8]  # both contexts fill their two blocks
     assert inputs.slots == [2, 1]

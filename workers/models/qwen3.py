@@ -3,7 +3,9 @@
 Parameter names match Hugging Face checkpoints (`model.layers.0.self_attn.q_proj.weight`,
 ...), so a checkpoint's state dict loads as is. One forward takes a flat batch of tokens
 that mixes prefill chunks and decode rows; how each token attends is described by an
-AttentionMetadata built once per step. The model knows nothing of plans, slots or Ray.
+AttentionMetadata built once per step. Every computation goes through the op table the
+runner hands to `prepare` (linear, norms, RoPE, SwiGLU, paged attention); the model knows
+nothing of plans, slots, devices or Ray.
 
 Under tensor parallelism (workers/parallel.py) each module holds its rank's slice: this
 rank's heads in attention, its part of the MLP's intermediate dim, its rows of the vocab;
@@ -17,8 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from workers.attention import AttentionMetadata, paged_attention
 from workers.kv_cache import KVCache
+from workers.ops.base import AttentionMetadata, OpTable
 from workers.parallel import SINGLE, ShardedShape, TensorParallel
 
 
@@ -60,35 +62,18 @@ class Qwen3Config:
 
 
 class RMSNorm(nn.Module):
-    """Qwen3RMSNorm: normalize in fp32, cast back, then scale (HF's exact op order)."""
+    """Qwen3RMSNorm's weight; the op table computes it (normalize in fp32, cast back, scale)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
-
-
-def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    """cos and sin for each position, computed like HF (fp32, then cast). [T, 1, head_dim] each."""
-    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, head_dim/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
-    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; rotate-half RoPE as in HF."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
 
 class Qwen3Attention(nn.Module):
+    """q/k/v/o projections under HF's names; `prepare` fuses q, k and v into one weight
+    (concatenated along the output dim) for the op table's linear."""
+
     def __init__(self, config: Qwen3Config, parallel: TensorParallel = SINGLE) -> None:
         super().__init__()
         shape = ShardedShape.of(config, parallel)
@@ -104,19 +89,27 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache: KVCache, layer: int, attn: AttentionMetadata):
+    def prepare(self, ops: OpTable) -> dict:
+        return {"qkv": ops.prepare_linear(*_fused(self.q_proj, self.k_proj, self.v_proj)),
+                "o": ops.prepare_linear(self.o_proj.weight, self.o_proj.bias)}
+
+    def forward(self, ops: OpTable, w: dict, x, cos, sin, kv_cache: KVCache, layer: int,
+                attn: AttentionMetadata):
         t = x.shape[0]  # x: [T, hidden]
-        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))  # [T, H, D]
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))  # [T, KVH, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        kv_cache.write(layer, k, v, attn.slot_mapping)
-        out = paged_attention(q, k, v, kv_cache, layer, attn)  # [T, H * D]
-        return self.parallel.all_reduce(self.o_proj(out))  # [T, hidden], summed over the ranks
+        qn, kvn = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = ops.linear(x, w["qkv"]).split([qn, kvn, kvn], dim=-1)  # [T, qn], [T, kvn], [T, kvn]
+        q = ops.rms_norm(q.reshape(t, self.num_heads, self.head_dim), self.q_norm.weight, self.q_norm.eps)
+        k = ops.rms_norm(k.reshape(t, self.num_kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        q, k = ops.apply_rotary(q, k, cos, sin)  # [T, H, D], [T, KVH, D]
+        ops.attention.write_kv(kv_cache, layer, k, v, attn)
+        out = ops.attention.forward(q, k, v, kv_cache, layer, attn)  # [T, H * D]
+        return self.parallel.all_reduce(ops.linear(out, w["o"]))  # [T, hidden], summed over the ranks
 
 
 class Qwen3MLP(nn.Module):
+    """gate/up/down under HF's names; `prepare` fuses gate and up (gate rows first)."""
+
     def __init__(self, config: Qwen3Config, parallel: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.parallel = parallel
@@ -125,9 +118,51 @@ class Qwen3MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, inter, bias=False)
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+    def prepare(self, ops: OpTable) -> dict:
+        return {"gate_up": ops.prepare_linear(*_fused(self.gate_proj, self.up_proj)),
+                "down": ops.prepare_linear(self.down_proj.weight, None)}
+
+    def forward(self, ops: OpTable, w: dict, x: torch.Tensor) -> torch.Tensor:
+        out = ops.linear(ops.silu_and_mul(ops.linear(x, w["gate_up"])), w["down"])  # [T, hidden]
         return self.parallel.all_reduce(out)  # summed over the ranks
+
+
+@torch.no_grad()
+def _fused(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weights (and biases) of linears that read the same input, concatenated along out.
+    The linears' own parameters become views of the fused tensors (no second copy; the
+    HF names still load and save)."""
+    fused = []
+    for attr in ("weight", "bias"):
+        if getattr(linears[0], attr) is None:
+            fused.append(None)
+            continue
+        parts = [getattr(m, attr) for m in linears]
+        if _adjacent(parts):
+            t = parts[0].data.as_strided((sum(p.shape[0] for p in parts), *parts[0].shape[1:]),
+                                         parts[0].stride())
+        else:
+            t = torch.cat([p.data for p in parts])
+            row = 0
+            for p in parts:
+                p.data = t[row:row + p.shape[0]]
+                row += p.shape[0]
+        fused.append(t)
+    return fused[0], fused[1]
+
+
+def _adjacent(parts: list[torch.Tensor]) -> bool:
+    """Whether contiguous tensors already sit back to back in one storage (fused before)."""
+    p0 = parts[0]
+    if not all(p.is_contiguous() and p.untyped_storage().data_ptr() == p0.untyped_storage().data_ptr()
+               for p in parts):
+        return False
+    offset = p0.storage_offset()
+    for p in parts:
+        if p.storage_offset() != offset:
+            return False
+        offset += p.numel()
+    return True
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -138,12 +173,20 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache: KVCache, layer: int, attn: AttentionMetadata):
-        # x is never written in place: the first layer's input is the resident next_hidden buffer.
-        h = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, layer, attn)
-        h = h.add_(x)  # residual
-        out = self.mlp(self.post_attention_layernorm(h))
-        return out.add_(h)
+    def forward(self, ops: OpTable, w: dict, x, residual, cos, sin, kv_cache: KVCache, layer: int,
+                attn: AttentionMetadata):
+        """x: this layer's input before its norm: the embedding for layer 0 (residual None),
+        else the previous layer's MLP output with `residual` its residual stream. Neither is
+        written in place: the first layer's input is the resident next_hidden buffer."""
+        norm = self.input_layernorm
+        if residual is None:
+            h, residual = ops.rms_norm(x, norm.weight, norm.eps), x
+        else:
+            h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        h = self.self_attn(ops, w, h, cos, sin, kv_cache, layer, attn)
+        norm = self.post_attention_layernorm
+        h, residual = ops.add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp(ops, w, h), residual
 
 
 class Qwen3Model(nn.Module):
@@ -167,6 +210,7 @@ class Qwen3ForCausalLM(nn.Module):
         exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float) / config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** exponents)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.prepared = PreparedWeights()  # set by prepare(ops)
 
     def tie_weights(self) -> None:
         """Re-point lm_head at the embedding (after `to_empty`, which unties them)."""
@@ -196,26 +240,66 @@ class Qwen3ForCausalLM(nn.Module):
         out.masked_fill_(outside[:, None], 0)
         return self.parallel.all_reduce(out)
 
+    def prepare(self, ops: OpTable, logits_rows: int | None = None) -> None:
+        """Hand the model its op table and let the table prepare every linear's weights once
+        (q/k/v and gate/up fused, packed where the table packs); logits_rows: the vocab rows
+        the lm_head computes (None: all). Call again after the weights change."""
+        layers = []
+        for layer in self.model.layers:
+            layers.append({**layer.self_attn.prepare(ops), **layer.mlp.prepare(ops)})
+        weight = self.lm_head.weight
+        if self.parallel.enabled:  # every rank computes its whole slice; rank 0 trims after the gather
+            logits_rows = None
+        lm = ops.prepare_linear(weight if logits_rows is None else weight[:logits_rows], None)
+        self.prepared = PreparedWeights(ops, layers, lm)
+
+    def _prepared(self) -> PreparedWeights:
+        if self.prepared.ops is None:
+            from workers.ops import get_op_table
+
+            with torch.inference_mode(False), torch.no_grad():  # the weights stay ordinary tensors
+                self.prepare(get_op_table(self.model.embed_tokens.weight.device, "reference"))
+        return self.prepared
+
+    @property
+    def ops(self) -> OpTable:
+        return self._prepared().ops
+
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 attn: AttentionMetadata) -> torch.Tensor:
         """hidden [T, hidden] (embedded inputs), positions [T] -> [T, hidden] before the final norm."""
+        p = self._prepared()
+        ops = p.ops
         if self.inv_freq.dtype != torch.float32 or self.inv_freq.device != hidden.device:
             self.reset_rotary()  # a .to(dtype) cast it, or the model moved: recompute in fp32
-        cos, sin = rotary_cos_sin(positions, self.inv_freq, hidden.dtype)
+        cos, sin = ops.rotary_cos_sin(positions, self.inv_freq, hidden.dtype)  # [T, head_dim] each
+        attn = ops.attention.prepare(attn)
+        x, residual = hidden, None
         for i, layer in enumerate(self.model.layers):
-            hidden = layer(hidden, cos, sin, kv_cache, i, attn)
-        return hidden
+            x, residual = layer(ops, p.layers[i], x, residual, cos, sin, kv_cache, i, attn)
+        return x + residual
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
         """hidden [B, hidden] -> out [B, V] (float32), V <= vocab_size: only the first V ids.
         Vocab-parallel: each rank's rows are gathered to rank 0; other ranks return None."""
-        h = self.model.norm(hidden)
+        p = self._prepared()
+        h = p.ops.rms_norm(hidden, self.model.norm.weight, self.model.norm.eps)
         if self.parallel.enabled:
-            parts = self.parallel.gather_to_first(torch.mm(h, self.lm_head.weight.t()))  # [B, V / world] each
+            parts = self.parallel.gather_to_first(p.ops.linear(h, p.lm))  # [B, V / world] each
             if parts is None:
                 return None
             return out.copy_(torch.cat(parts, dim=1)[:, : out.shape[1]])
-        weight = self.lm_head.weight[: out.shape[1]]  # [V, hidden]
         if out.dtype == h.dtype:
-            return torch.mm(h, weight.t(), out=out)
-        return out.copy_(torch.mm(h, weight.t()))
+            return p.ops.linear_into(h, p.lm, out)
+        return out.copy_(p.ops.linear(h, p.lm)[:, : out.shape[1]])
+
+
+class PreparedWeights:
+    """The op table and its prepared linear handles (per layer: qkv, o, gate_up, down; the lm_head).
+    Not copied with the model (deepcopy gives an empty one): a copy prepares its own."""
+
+    def __init__(self, ops: OpTable | None = None, layers: list | None = None, lm=None) -> None:
+        self.ops, self.layers, self.lm = ops, layers or [], lm
+
+    def __deepcopy__(self, memo) -> PreparedWeights:
+        return PreparedWeights()

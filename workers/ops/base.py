@@ -75,6 +75,10 @@ class OpTable:
     name = "base"
     attention: AttentionBackend
 
+    def describe(self) -> dict:
+        """Which paths this table runs (reported in the runner's stats())."""
+        return {"table": self.name, "attention": self.attention.name}
+
     # -- linear layers: weights prepared once at load (packed, reordered, fused) --
     def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         """weight [out, in] -> a handle `linear` takes (default: the weight itself)."""
@@ -84,6 +88,12 @@ class OpTable:
         """x [T, in] -> [T, out]."""
         weight, bias = handle
         return torch.nn.functional.linear(x, weight, bias)
+
+    def linear_into(self, x: torch.Tensor, handle, out: torch.Tensor) -> torch.Tensor:
+        """linear(x) written into out [T, out'] (out' <= out features: only the first out' of them;
+        the lm_head into the resident logits buffer). Default: compute, then copy."""
+        y = self.linear(x, handle)
+        return out.copy_(y[:, : out.shape[1]])
 
     # -- elementwise and norms --
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,0 +1,79 @@
+"""Paged attention backends side by side on Qwen3-0.6B's attention shape (16 query heads, 8 KV
+heads, head_dim 128, block 16), fp32: a decode batch and a mixed batch with prefill chunks.
+
+    PYTHONPATH=. python benchmarks/bench_attention.py [--threads 2] [--rows 64] [--ctx 40:380] [--reps 5]
+
+Backends take turns in every repetition (so machine load hits them alike); prints the median
+milliseconds per layer call (prepare excluded: it runs once per step for all layers) and the
+largest difference from the reference. A script, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from workers.kv_cache import KVCache
+from workers.ops.cpu_attention import ChunkedPagedAttention
+from workers.ops.metadata import SequenceRows, build_metadata
+from workers.ops.reference import GatherSDPAAttention
+
+
+def batch(rng, rows, ctx, prefills, bs, num_blocks):
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    seqs = []
+    for _ in range(rows):
+        n = rng.randint(*ctx)
+        seqs.append(SequenceRows(n - 1, 1, [free.pop() for _ in range(-(-n // bs))]))
+    for cached, n in prefills:
+        seqs.append(SequenceRows(cached, n, [free.pop() for _ in range(-(-(cached + n) // bs))]))
+    return seqs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--ctx", default="40:380")
+    ap.add_argument("--reps", type=int, default=5)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    ctx = tuple(int(x) for x in a.ctx.split(":"))
+    bs, kvh, h, d = 16, 8, 16, 128
+    rng = random.Random(0)
+    backends = {"gather-sdpa (reference)": GatherSDPAAttention(), "chunked-online-softmax": ChunkedPagedAttention()}
+    cases = {"decode": (a.rows, []), "mixed": (a.rows // 2, [(0, 300), (160, 200)])}
+    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}")
+    for case, (rows, prefills) in cases.items():
+        seqs = batch(rng, rows, ctx, prefills, bs, 4096)
+        cache = KVCache(num_layers=1, num_blocks=4096, block_size=bs, num_kv_heads=kvh, head_dim=d,
+                        dtype=torch.float32)
+        cache.data.normal_()
+        t = sum(s.num_tokens for s in seqs)
+        q, k, v = torch.randn(t, h, d), torch.randn(t, kvh, d), torch.randn(t, kvh, d)
+        metas = {name: b.prepare(build_metadata(seqs, num_decode=rows, block_size=bs)) for name, b in backends.items()}
+        for name, b in backends.items():  # this step's K/V in the pool, as the model writes it first
+            b.write_kv(cache, 0, k, v, metas[name])
+        times = {name: [] for name in backends}
+        outs = {}
+        with torch.inference_mode():
+            for _ in range(a.reps + 1):
+                for name, b in backends.items():
+                    t0 = time.perf_counter()
+                    outs[name] = b.forward(q, k, v, cache, 0, metas[name])
+                    times[name].append(time.perf_counter() - t0)
+        ref = outs["gather-sdpa (reference)"]
+        ctx_tokens = sum(s.start + s.num_tokens for s in seqs)
+        print(f"{case}: {rows} decode rows + {len(prefills)} chunks, {t} query tokens, {ctx_tokens} keys")
+        for name in backends:
+            ms = statistics.median(times[name][1:]) * 1e3
+            print(f"  {name:>26}: {ms:8.2f} ms  max|diff| {float((outs[name] - ref).abs().max()):.2e}")
+
+
+if __name__ == "__main__":
+    main()

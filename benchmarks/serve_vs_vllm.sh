@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# raylm serve vs vllm serve under vLLM's own load client, one after the other, then raylm
+# served vs in-process on the same requests (raylm bench --serve-http --in-process).
+# Needs .venv (make venv) and a vLLM CPU build in $PEERS (make peers; see ../shared/PEERS.md).
+# Usage: benchmarks/serve_vs_vllm.sh [OUT_DIR]   (results: OUT_DIR/*.json, logs beside them)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-/tmp/raylm-serve-vs-vllm}
+PEERS=${PEERS:-/work/.venv-peers}
+MODEL=$(.venv/bin/python -c "from workers.loader import bundled_model_path; print(bundled_model_path())")
+NAME=tiny
+N=${NUM_PROMPTS:-128}
+mkdir -p "$OUT"
+export VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-$(($(nproc) - 1)) VLLM_CPU_NUM_OF_RESERVED_CPU=0
+
+wait_healthy() {  # port pid
+  for _ in $(seq 1 900); do
+    if curl -sf "http://127.0.0.1:$1/health" >/dev/null; then return 0; fi
+    kill -0 "$2" 2>/dev/null || { echo "server $2 exited"; return 1; }
+    sleep 1
+  done
+  return 1
+}
+
+load() {  # port label
+  "$PEERS/bin/vllm" bench serve --backend openai --base-url "http://127.0.0.1:$1" --model "$MODEL" \
+    --served-model-name "$NAME" --tokenizer "$MODEL" --dataset-name random --random-input-len 128 \
+    --random-output-len 64 --num-prompts "$N" --request-rate inf --ignore-eos --seed 0 \
+    --save-result --result-dir "$OUT" --result-filename "$2.json" 2>&1 | tee "$OUT/$2.txt" | \
+    grep -E "throughput|TTFT|TPOT|ITL|Successful|Failed|Benchmark duration"
+}
+
+warm() {  # port: a few requests so first-request compiles stay out of the timed run
+  "$PEERS/bin/vllm" bench serve --backend openai --base-url "http://127.0.0.1:$1" --model "$MODEL" \
+    --served-model-name "$NAME" --tokenizer "$MODEL" --dataset-name random --random-input-len 128 \
+    --random-output-len 8 --num-prompts 8 --request-rate inf --ignore-eos --seed 1 >/dev/null 2>&1 || true
+}
+
+echo "== raylm serve (load average $(cut -d' ' -f1 /proc/loadavg))"
+PORT=8301
+.venv/bin/raylm serve --dtype float32 --max-num-seqs 64 --served-model-name "$NAME" --port $PORT \
+  --name raylm-vs-vllm --address local >"$OUT/raylm-serve.log" 2>&1 &
+PID=$!
+trap 'kill -INT $PID 2>/dev/null || true' EXIT
+wait_healthy $PORT $PID
+warm $PORT
+load $PORT raylm
+kill -INT $PID; wait $PID || true
+
+echo "== vllm serve (load average $(cut -d' ' -f1 /proc/loadavg))"
+PORT=8302
+"$PEERS/bin/vllm" serve "$MODEL" --dtype float32 --max-num-seqs 64 --served-model-name "$NAME" --port $PORT \
+  >"$OUT/vllm-serve.log" 2>&1 &
+PID=$!
+wait_healthy $PORT $PID
+warm $PORT
+load $PORT vllm
+kill -INT $PID; wait $PID || true
+trap - EXIT
+
+echo "== raylm served vs in-process, same requests (load average $(cut -d' ' -f1 /proc/loadavg))"
+.venv/bin/raylm bench --serve-http --in-process --num-requests "$N" --input-len 128 --output-len 64 --rate inf \
+  --batch-size 64 --compute-dtype float32 --json "$OUT/raylm-served-vs-in-process.json"
+
+.venv/bin/python - "$OUT" <<'PY'
+import json, sys
+d = sys.argv[1]
+r, v = (json.load(open(f"{d}/{n}.json")) for n in ("raylm", "vllm"))
+print(f"raylm serve / vllm serve: output throughput {r['output_throughput'] / v['output_throughput']:.2f}x, "
+      f"TTFT p50 {r['median_ttft_ms']:.0f} vs {v['median_ttft_ms']:.0f} ms, "
+      f"TPOT p50 {r['median_tpot_ms']:.1f} vs {v['median_tpot_ms']:.1f} ms")
+PY

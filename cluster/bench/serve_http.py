@@ -1,0 +1,304 @@
+"""`raylm bench --serve-http`: the real `raylm serve` over HTTP, as vLLM's `bench serve` drives it.
+
+Starts `raylm serve` as its own process (the bundled tiny model unless --model), waits
+for /health, then sends N streaming /v1/completions requests (random prompts of
+--input-len tokens decoded to text, --output-len tokens each, ignore_eos, greedy) from
+concurrent clients, all at once or as a Poisson process at --rate, and reports what
+vLLM's serving benchmark reports: request and output-token throughput, TTFT, TPOT (per
+request: (latency - TTFT) / (tokens - 1)), ITL (the gaps between streamed chunks) and
+end-to-end latency, as mean, median and p99. `--in-process` also runs the same requests
+through `cluster.launch()` in this process (no HTTP), for the served/in-process ratio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestRecord:
+    ok: bool = False
+    status: int = 0
+    ttft: float | None = None
+    latency: float = 0.0
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+def random_prompts(tokenizer, n: int, input_len: int, seed: int = 0) -> list[str]:
+    """Like vLLM's random dataset: random token ids, decoded to text (about input_len tokens)."""
+    rng = random.Random(seed)
+    specials = set(getattr(tokenizer, "all_special_ids", []) or [])
+    vocab = [i for i in range(len(tokenizer)) if i not in specials]
+    prompts = []
+    for _ in range(n):  # decoded random bytes re-encode longer: cut to length and decode again, as vLLM does
+        text = tokenizer.decode([rng.choice(vocab) for _ in range(input_len)])
+        prompts.append(tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:input_len]))
+    return prompts
+
+
+async def _one(session, url: str, body: dict, headers: dict) -> RequestRecord:
+    import aiohttp
+
+    rec = RequestRecord()
+    t0 = time.perf_counter()
+    last = t0
+    try:
+        async with session.post(url, json=body, headers=headers) as resp:
+            rec.status = resp.status
+            if resp.status != 200:
+                rec.error = (await resp.text())[:200]
+                rec.latency = time.perf_counter() - t0
+                return rec
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("usage"):
+                    rec.output_tokens = chunk["usage"]["completion_tokens"]
+                    rec.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                if not chunk.get("choices") or not chunk["choices"][0].get("text"):
+                    continue
+                now = time.perf_counter()
+                if rec.ttft is None:
+                    rec.ttft = now - t0
+                else:
+                    rec.itl.append(now - last)
+                last = now
+        rec.latency = time.perf_counter() - t0
+        rec.ok = True
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        rec.error = f"{type(e).__name__}: {e}"
+        rec.latency = time.perf_counter() - t0
+    return rec
+
+
+async def drive(base: str, model: str, prompts: list[str], output_len: int, rate: float = float("inf"),
+                seed: int = 0, api_key: str | None = None) -> tuple[list[RequestRecord], float]:
+    """Send every prompt as a streaming completion; returns the records and the wall time."""
+    import aiohttp
+
+    rng = random.Random(seed)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    url = base + "/v1/completions"
+    conn = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=6 * 3600)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+        t0 = time.perf_counter()
+        tasks = []
+        for p in prompts:
+            body = {"model": model, "prompt": p, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            tasks.append(asyncio.create_task(_one(session, url, body, headers)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(rate))
+        records = await asyncio.gather(*tasks)
+        return records, time.perf_counter() - t0
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    values = sorted(values)
+    if not values:
+        return None
+    k = (len(values) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def summarize(prefix: str, seconds: list[float]) -> dict:
+    return {f"{prefix}_mean": statistics.fmean(seconds) if seconds else None,
+            f"{prefix}_median": _percentile(seconds, 50), f"{prefix}_p99": _percentile(seconds, 99)}
+
+
+def figures(records: list[RequestRecord], elapsed: float) -> dict:
+    ok = [r for r in records if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.ttft is not None and r.output_tokens > 1]
+    return {
+        "requests": len(records), "completed": len(ok),
+        "failed": {str(s): sum(1 for r in records if not r.ok and r.status == s)
+                   for s in sorted({r.status for r in records if not r.ok})},
+        "duration_s": elapsed, "request_throughput": len(ok) / elapsed,
+        "output_throughput": out_tokens / elapsed,
+        "total_token_throughput": (out_tokens + sum(r.prompt_tokens for r in ok)) / elapsed,
+        **summarize("ttft", [r.ttft for r in ok if r.ttft is not None]),
+        **summarize("tpot", tpot),
+        **summarize("itl", [x for r in ok for x in r.itl]),
+        **summarize("e2el", [r.latency for r in ok]),
+    }
+
+
+def engine_state(base: str) -> dict:
+    """What the server's /metrics says is left once the load is over (it should be nothing)."""
+    import httpx
+
+    wanted = ("raylm_kv_blocks_used", "raylm_requests_running", "raylm_requests_waiting", "raylm_preemptions_total")
+    lines = httpx.get(base + "/metrics", timeout=30).text.splitlines()
+    found = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in lines if ln.split(" ")[0] in wanted}
+    return {k.removeprefix("raylm_"): v for k, v in found.items()}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    """`raylm serve` in its own process group, up until the context ends."""
+
+    def __init__(self, args: list[str], log_path: str, timeout_s: float = 600.0):
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.args, self.log_path, self.timeout_s = args, log_path, timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> ServeProcess:
+        import httpx
+
+        self._log = open(self.log_path, "w")
+        cmd = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(self.port), *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"raylm serve exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        self.__exit__()
+        raise RuntimeError(f"raylm serve was not healthy within {self.timeout_s:.0f} s; see {self.log_path}")
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self._log.close()
+
+
+def in_process(prompts: list[str], output_len: int, engine_kwargs: dict) -> tuple[list[RequestRecord], float]:
+    """The same requests through cluster.launch() in this process, all at once."""
+    import cluster
+
+    params = cluster.SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    with cluster.launch(**engine_kwargs) as llm:
+        llm.generate(prompts[:4], params)  # warm-up
+
+        async def one(p: str) -> RequestRecord:
+            rec, t0 = RequestRecord(), time.perf_counter()
+            last = t0
+            async for d in llm.astream(p, params):
+                now = time.perf_counter()
+                if d.text:
+                    if rec.ttft is None:
+                        rec.ttft = now - t0
+                    else:
+                        rec.itl.append(now - last)
+                    last = now
+                if d.finished:
+                    rec.output_tokens = len(d.output.token_ids)
+                    rec.prompt_tokens = d.output.num_prompt_tokens
+            rec.latency, rec.ok = time.perf_counter() - t0, True
+            return rec
+
+        async def run():
+            t0 = time.perf_counter()
+            recs = await asyncio.gather(*[one(p) for p in prompts])
+            return recs, time.perf_counter() - t0
+
+        return asyncio.run(run())
+
+
+def print_figures(name: str, f: dict, out=sys.stdout) -> None:
+    def ms(k):
+        v = f.get(k)
+        return "-" if v is None else f"{v * 1000:.1f}"
+
+    print(f"{name}: {f['completed']}/{f['requests']} ok in {f['duration_s']:.2f} s"
+          + (f" (failed by status: {f['failed']})" if f["failed"] else ""), file=out)
+    print(f"  output tok/s {f['output_throughput']:.1f}   req/s {f['request_throughput']:.2f}   "
+          f"total tok/s {f['total_token_throughput']:.1f}", file=out)
+    for k in ("ttft", "tpot", "itl", "e2el"):
+        print(f"  {k.upper():5s} ms  mean {ms(k + '_mean')}  median {ms(k + '_median')}  p99 {ms(k + '_p99')}",
+              file=out)
+
+
+def run(a) -> int:
+    """`raylm bench --serve-http`: see the module docstring."""
+    import logging
+
+    import ray
+
+    from workers.loader import bundled_model_path, load_tokenizer
+
+    model = None if a.model in (None, "tiny", "bundled") or a.model.startswith("random:") else a.model
+    path = model or bundled_model_path()
+    tok = load_tokenizer(path)
+    prompts = random_prompts(tok, a.num_requests, a.input_len[0], a.seed)
+    output_len = a.output_len[0]
+    rate = a.rate[0]
+    engine = {"dtype": a.compute_dtype if a.compute_dtype != "auto" else "float32",
+              "max_num_seqs": a.batch_size[0], "max_num_batched_tokens": a.max_num_batched_tokens}
+    if not ray.is_initialized():  # our own Ray unless --address says otherwise; workers at our priority
+        if a.address is None:
+            os.environ.setdefault("RAY_worker_niceness", "0")
+        ray.init(address=a.address or "local", include_dashboard=False, logging_level=logging.WARNING)
+    serve_args = ["--address", ray.get_runtime_context().gcs_address, "--name", "raylm-bench-http",
+                  "--dtype", engine["dtype"], "--max-num-seqs", str(engine["max_num_seqs"]),
+                  "--max-num-batched-tokens", str(engine["max_num_batched_tokens"])]
+    if model:
+        serve_args += ["--model", model]
+    if a.max_waiting_requests:
+        serve_args += ["--max-waiting-requests", str(a.max_waiting_requests)]
+    if a.threads_per_worker:
+        serve_args += ["--threads-per-worker", str(a.threads_per_worker)]
+        engine["threads_per_worker"] = a.threads_per_worker
+    name = os.path.basename(os.path.normpath(model)) if model else "tiny-qwen3"
+    results = {}
+    print(f"workload: {len(prompts)} requests, {a.input_len[0]} prompt tokens (random ids as text), "
+          f"{output_len} output tokens, ignore_eos, rate {rate}; load average {os.getloadavg()[0]:.1f}", flush=True)
+    log_path = os.path.join(a.profile or "/tmp", "raylm-bench-serve.log")
+    with ServeProcess(serve_args, log_path) as srv:
+        asyncio.run(drive(srv.base, name, prompts[:8], 8))  # warm-up
+        records, elapsed = asyncio.run(drive(srv.base, name, prompts, output_len, rate, a.seed))
+        results["raylm serve (HTTP)"] = figures(records, elapsed)
+        results["raylm serve (HTTP)"]["after"] = after = engine_state(srv.base)
+        print_figures("raylm serve (HTTP)", results["raylm serve (HTTP)"])
+        print(f"  afterwards: {after}")
+    if a.in_process:
+        records, elapsed = in_process(prompts, output_len, engine)
+        results["raylm in-process"] = figures(records, elapsed)
+        print_figures("raylm in-process", results["raylm in-process"])
+        ratio = results["raylm serve (HTTP)"]["output_throughput"] / results["raylm in-process"]["output_throughput"]
+        print(f"served / in-process output throughput: {ratio:.2f}x")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"workload": {"num_requests": len(prompts), "input_len": a.input_len[0],
+                                    "output_len": output_len, "rate": rate}, "engine": engine, "runs": results,
+                       "load_avg": os.getloadavg()}, f, indent=1, default=str)
+    return 0

@@ -1,0 +1,108 @@
+"""The vLLM contender's subprocess protocol, against a stand-in `vllm` package in a fake peers
+venv (the real one is too big for tests): requests go over, the prefix cache is reset before
+every run, outputs come back per request in order; a missing venv or a failing engine is an
+error that names it."""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+import textwrap
+
+import pytest
+
+from cluster.bench.vllm_peer import VLLMPeer, peers_python
+
+FAKE_VLLM = '''
+__version__ = "0.0-fake"
+RESETS = []
+
+
+class SamplingParams:
+    def __init__(self, max_tokens, temperature, ignore_eos, detokenize=True):
+        self.max_tokens = max_tokens
+
+
+class _Completion:
+    def __init__(self, ids):
+        self.token_ids = ids
+
+
+class _Output:
+    def __init__(self, ids):
+        self.outputs = [_Completion(ids)]
+
+
+class _Config:
+    def get_vocab_size(self):
+        return 1000
+
+
+class _Engine:
+    model_config = _Config()
+
+
+class LLM:
+    def __init__(self, model, **kw):
+        if model == "broken":
+            raise RuntimeError("no such checkpoint")
+        self.llm_engine = _Engine()
+        self.resets = 0
+
+    def reset_prefix_cache(self):
+        self.resets += 1
+
+    def generate(self, prompts, params, use_tqdm=False):
+        if not isinstance(params, list):
+            params = [params] * len(prompts)
+        # each output: the prompt's first id, its length, then the run number, to max_tokens
+        return [_Output(([p["prompt_token_ids"][0], len(p["prompt_token_ids"])] + [self.resets] * s.max_tokens)
+                        [: s.max_tokens]) for p, s in zip(prompts, params)]
+'''
+
+
+@pytest.fixture
+def fake_venv(tmp_path):
+    pkg = tmp_path / "site" / "vllm"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(FAKE_VLLM + "\nfrom vllm import inputs\n")
+    (pkg / "inputs.py").write_text(
+        "def TokensPrompt(prompt_token_ids):\n    return {'prompt_token_ids': prompt_token_ids}\n")
+    bindir = tmp_path / "venv" / "bin"
+    bindir.mkdir(parents=True)
+    python = bindir / "python"
+    python.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        PYTHONPATH={tmp_path / 'site'} exec {sys.executable} "$@"
+        """))
+    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+    return str(tmp_path / "venv")
+
+
+def peer(venv, model="ckpt"):
+    return VLLMPeer(model, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, block_size=16,
+                    threads=1, venv=venv)
+
+
+def test_requests_go_over_and_outputs_come_back_in_order_with_the_cache_reset_each_run(fake_venv):
+    with peer(fake_venv) as p:
+        assert p.version == "0.0-fake" and p.dtype == "float32"
+        elapsed, outs = p.run([[7, 8, 9], [5]], [4, 2])
+        assert elapsed >= 0
+        assert outs == [[7, 3, 1, 1], [5, 1]]  # reset once before the first run
+        _, outs = p.run([[7, 8, 9]], [3])
+        assert outs == [[7, 3, 2]]  # and again before the second
+    assert p.proc.poll() is not None  # closed: the subprocess is gone
+
+
+def test_an_engine_that_fails_to_start_raises_its_reason(fake_venv):
+    with pytest.raises(RuntimeError, match="no such checkpoint"):
+        peer(fake_venv, model="broken")
+
+
+def test_a_missing_peers_venv_is_named(tmp_path):
+    missing = str(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match=f"peers venv '{missing}' has no bin/python"):
+        peers_python(missing)
+    assert os.path.exists(peers_python(os.path.dirname(os.path.dirname(sys.executable))))

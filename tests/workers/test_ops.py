@@ -1,0 +1,160 @@
+"""Every op table against the reference, and the reference's paged attention against dense
+attention over each sequence's own keys: seeded random flat batches of decode rows and prefill
+chunks with cached prefixes (shared prefix blocks, odd lengths, GQA, padded block tables)."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.kv_cache import KVCache
+from workers.ops import get_op_table
+from workers.ops.metadata import SequenceRows, build_metadata
+
+
+def available_tables() -> list[str]:
+    """The tables that compute on the CPU here (cuda/npu have their own tests, on emulations)."""
+    names = []
+    for name in ("reference", "cpu"):
+        try:
+            get_op_table("cpu", name)
+        except ImportError:
+            continue
+        names.append(name)
+    return names
+
+
+TABLES = available_tables()
+FAST = [n for n in TABLES if n != "reference"]
+
+
+def random_batch(seed: int, *, block_size: int, num_kv_heads: int = 2, group: int = 3, head_dim: int = 16,
+                 num_blocks: int = 96, dtype=torch.float32):
+    """A pool with random cached contexts; decode rows first, then chunks (some after a cached
+    prefix, one sharing its prefix blocks with another sequence). Returns everything needed to
+    run attention and to check it densely."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    cache = KVCache(num_layers=2, num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
+                    head_dim=head_dim, dtype=dtype)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    num_decode, num_chunks = rng.randint(0, 5), rng.randint(0, 3)
+    if num_decode + num_chunks == 0:
+        num_decode = 1
+    seqs, contexts = [], []  # contexts[i]: (K, V) of the cached tokens, [cached, KVH, D]
+    shared = None  # (blocks, K, V) of a full-block prefix a later sequence reuses
+    for i in range(num_decode + num_chunks):
+        is_decode = i < num_decode
+        n = 1 if is_decode else rng.choice([1, 2, block_size - 1, block_size + 1, 2 * block_size + 3])
+        cached = rng.randint(1, 4 * block_size + 1) if is_decode else rng.choice([0, 0, block_size, 5, 3 * block_size])
+        table = [free.pop() for _ in range((cached + n + block_size - 1) // block_size)]
+        k_ctx = torch.randn(cached, num_kv_heads, head_dim, generator=gen, dtype=dtype)
+        v_ctx = torch.randn(cached, num_kv_heads, head_dim, generator=gen, dtype=dtype)
+        full = cached // block_size
+        if shared is not None and full >= len(shared[0]) and i % 2:  # reuse the shared prefix blocks
+            nb = len(shared[0])
+            table[:nb] = shared[0]
+            k_ctx[: nb * block_size], v_ctx[: nb * block_size] = shared[1], shared[2]
+        elif shared is None and full:
+            shared = (table[:full], k_ctx[: full * block_size], v_ctx[: full * block_size])
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(cached)],
+                             dtype=torch.int64)
+        for layer in range(2):
+            cache.write(layer, k_ctx, v_ctx, slots)
+        seqs.append(SequenceRows(cached, n, table))
+        contexts.append((k_ctx, v_ctx))
+    t = sum(s.num_tokens for s in seqs)
+    h = num_kv_heads * group
+    q = torch.randn(t, h, head_dim, generator=gen, dtype=dtype)
+    k = torch.randn(t, num_kv_heads, head_dim, generator=gen, dtype=dtype)
+    v = torch.randn(t, num_kv_heads, head_dim, generator=gen, dtype=dtype)
+    return cache, seqs, num_decode, contexts, q, k, v
+
+
+def run_attention(table_name, cache, seqs, num_decode, q, k, v, layer=1):
+    ops = get_op_table("cpu", table_name)
+    meta = ops.attention.prepare(build_metadata(seqs, num_decode=num_decode, block_size=cache.block_size))
+    ops.attention.write_kv(cache, layer, k, v, meta)
+    return ops.attention.forward(q, k, v, cache, layer, meta)
+
+
+def dense_attention(seqs, contexts, q, k, v):
+    """Each sequence on its own: its cached keys then its new ones, offset-causal, no paging."""
+    outs, row = [], 0
+    for s, (k_ctx, v_ctx) in zip(seqs, contexts):
+        n = s.num_tokens
+        keys = torch.cat([k_ctx, k[row:row + n]])  # [cached + n, KVH, D]
+        values = torch.cat([v_ctx, v[row:row + n]])
+        mask = torch.arange(s.start + n)[None, :] <= torch.arange(s.start, s.start + n)[:, None]
+        o = F.scaled_dot_product_attention(q[row:row + n].transpose(0, 1), keys.transpose(0, 1),
+                                           values.transpose(0, 1), attn_mask=mask, enable_gqa=True)
+        outs.append(o.transpose(0, 1).reshape(n, -1))
+        row += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_reference_attention_equals_dense_attention_per_sequence(seed, block_size):
+    cache, seqs, d, contexts, q, k, v = random_batch(seed, block_size=block_size)
+    out = run_attention("reference", cache, seqs, d, q, k, v)
+    torch.testing.assert_close(out, dense_attention(seqs, contexts, q, k, v), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", FAST)
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_attention_equals_the_reference(name, seed, block_size):
+    cache, seqs, d, _, q, k, v = random_batch(seed, block_size=block_size)
+    other = copy.copy(cache)
+    other.data = cache.data.clone()
+    expected = run_attention("reference", cache, seqs, d, q, k, v)
+    out = run_attention(name, other, seqs, d, q, k, v)
+    torch.testing.assert_close(other.data, cache.data)  # write_kv put this step's K/V where the reference did
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", FAST)
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_elementwise_ops_and_linear_equal_the_reference(name, rows):
+    gen = torch.Generator().manual_seed(rows)
+    ref, ops = get_op_table("cpu", "reference"), get_op_table("cpu", name)
+    x, res = torch.randn(rows, 96, generator=gen), torch.randn(rows, 96, generator=gen)
+    w = torch.rand(96, generator=gen) + 0.5
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
+    for got, want in zip(ops.add_rms_norm(x, res, w, 1e-6), ref.add_rms_norm(x, res, w, 1e-6)):
+        torch.testing.assert_close(got, want)
+    q, k = torch.randn(rows, 6, 32, generator=gen), torch.randn(rows, 2, 32, generator=gen)
+    positions = torch.randint(0, 5000, (rows,), generator=gen)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 32, 2, dtype=torch.float) / 32))
+    cos, sin = ref.rotary_cos_sin(positions, inv_freq, torch.float32)
+    for got, want in zip(ops.rotary_cos_sin(positions, inv_freq, torch.float32), (cos, sin)):
+        torch.testing.assert_close(got, want)
+    for got, want in zip(ops.apply_rotary(q, k, cos, sin), ref.apply_rotary(q, k, cos, sin)):
+        torch.testing.assert_close(got, want)
+    gu = torch.randn(rows, 2 * 80, generator=gen)
+    torch.testing.assert_close(ops.silu_and_mul(gu), ref.silu_and_mul(gu))
+    weight, bias = torch.randn(200, 96, generator=gen), torch.randn(200, generator=gen)
+    for b in (None, bias):
+        torch.testing.assert_close(ops.linear(x, ops.prepare_linear(weight, b)),
+                                   ref.linear(x, ref.prepare_linear(weight, b)), atol=1e-4, rtol=1e-4)
+    out = torch.empty(rows, 150)
+    ops.linear_into(x, ops.prepare_linear(weight), out)
+    torch.testing.assert_close(out, x @ weight[:150].t(), atol=1e-4, rtol=1e-4)
+
+
+def test_an_unknown_table_name_is_refused():
+    with pytest.raises(ValueError, match="ops must be one of .*got 'fast'"):
+        get_op_table("cpu", "fast")
+
+
+def test_the_cpu_gets_the_cpu_table_unless_told_otherwise(monkeypatch):
+    monkeypatch.delenv("RAYLM_OPS", raising=False)
+    assert get_op_table("cpu").name == "cpu"
+    monkeypatch.setenv("RAYLM_OPS", "reference")
+    assert get_op_table("cpu").name == "reference"

@@ -1,0 +1,99 @@
+"""The CPU op table: prepacked GEMMs chosen per CPU feature, and paged attention that reads
+the KV blocks where they lie (workers/ops/cpu_attention.py).
+
+Linear, by the CPU's class (workers/ops/cpu_features.py) and the weights' dtype, measured
+with benchmarks/bench_gemm.py --packed (figures in docs/benchmarks.md):
+- fp32 on AVX-512 (Intel): `torch.ops.mkl._mkl_linear` over weights packed once by
+  `_mkl_reorder_linear_weight` ("mkl-packed"), 1.3-1.9x F.linear at 64 rows;
+- fp32 on AVX2 (AMD EPYC here): "onednn-packed": `torch.ops.mkldnn._linear_pointwise` over weights
+  reordered once by `_reorder_linear_weight` (MKL's packed path measured no faster than F.linear
+  here; oneDNN's 1.2-2x at 64 rows, about even at 512+);
+- bf16/fp16 (AVX512-BF16 / AMX CPUs compute in bf16): "aten" (oneDNN under F.linear).
+RAYLM_CPU_LINEAR=aten|mkl-packed|onednn-packed overrides the choice; mkl-packed falls back to aten where
+the op is absent. Norms, RoPE and SwiGLU run the reference's op order (bit-identical), eager.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from workers.ops.cpu_attention import make_cpu_attention
+from workers.ops.cpu_features import cpu_class, has_mkl_packed_linear, has_onednn_packed_linear
+from workers.ops.reference import ReferenceOps
+
+LINEAR_PATHS = ("aten", "mkl-packed", "onednn-packed")
+# the fp32 linear path per CPU class, as measured (docs/benchmarks.md)
+FP32_LINEAR = {"amx_bf16": "mkl-packed", "avx512_bf16": "mkl-packed", "avx512f": "mkl-packed",
+               "avx2": "onednn-packed", "other": "aten"}
+_MKL_BATCH = 64  # the batch size hint MKL's packing takes (rows it is tuned for)
+
+
+def linear_path(dtype: torch.dtype) -> str:
+    forced = os.environ.get("RAYLM_CPU_LINEAR")
+    if forced is not None and forced not in LINEAR_PATHS:
+        raise ValueError(f"RAYLM_CPU_LINEAR must be one of {', '.join(LINEAR_PATHS)}, got {forced!r}")
+    path = forced or (FP32_LINEAR[cpu_class()] if dtype == torch.float32 else "aten")
+    if path == "mkl-packed" and (dtype != torch.float32 or not has_mkl_packed_linear()):
+        path = "aten"
+    if path == "onednn-packed" and (dtype != torch.float32 or not has_onednn_packed_linear()):
+        path = "aten"
+    return path
+
+
+class MKLPackedWeight:
+    """A weight packed once for MKL's sgemm (opaque), with the original for its shape."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = weight.contiguous()
+        self.bias = bias
+        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, _MKL_BATCH)
+        self.out_features = weight.shape[0]
+
+
+class OneDNNPackedWeight:
+    """A weight reordered once into oneDNN's blocked layout for its fp32 inner product."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _MKL_BATCH)
+        self.bias = bias
+        self.out_features = weight.shape[0]
+
+
+class CPUOps(ReferenceOps):
+    name = "cpu"
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.attention = make_cpu_attention()
+        self.linear_paths: set[str] = set()  # the paths prepared weights took (a model may mix dtypes)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "cpu": cpu_class(), "linear": ",".join(sorted(self.linear_paths)) or None,
+                "elementwise": "eager"}
+
+    def prepare_linear(self, weight, bias=None):
+        path = linear_path(weight.dtype)
+        self.linear_paths.add(path)
+        if path == "mkl-packed":
+            return MKLPackedWeight(weight, bias)
+        if path == "onednn-packed":
+            return OneDNNPackedWeight(weight, bias)
+        return (weight.contiguous(), bias)
+
+    def linear(self, x, handle):
+        if isinstance(handle, MKLPackedWeight):
+            x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+            y = torch.ops.mkl._mkl_linear(x2.contiguous(), handle.packed, handle.weight, handle.bias, _MKL_BATCH)
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], handle.out_features)
+        if isinstance(handle, OneDNNPackedWeight):
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), handle.packed, handle.bias, "none", [], "")
+        weight, bias = handle
+        return F.linear(x, weight, bias)
+
+    def linear_into(self, x, handle, out):
+        if isinstance(handle, (MKLPackedWeight, OneDNNPackedWeight)):
+            return out.copy_(self.linear(x, handle)[:, : out.shape[1]])
+        return super().linear_into(x, handle, out)

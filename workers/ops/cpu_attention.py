@@ -1,0 +1,147 @@
+"""Paged attention for the CPU op table, chosen by measurement (docs/benchmarks.md).
+
+- "chunked": decode rows by a block-wise online softmax: a few block-table columns at a time
+  (CHUNK_TOKENS keys per row), read from the pool, scored, and folded into running max / sum /
+  output, so the working set stays a chunk, never the whole padded context of the batch.
+  Prefill chunks: causal SDPA over their own keys when nothing is cached; after a cached prefix,
+  the same online softmax over the prefix blocks, merged with causal SDPA-free scoring of the new
+  keys.
+- "gather": the reference's gather + SDPA (RAYLM_CPU_ATTENTION=gather).
+RAYLM_CPU_ATTENTION overrides the default.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from workers.ops.base import AttentionBackend, AttentionMetadata
+from workers.ops.reference import GatherSDPAAttention
+
+CHUNK_TOKENS = 128  # keys per row per online-softmax step
+DEFAULT = "gather"
+
+
+def make_cpu_attention() -> AttentionBackend:
+    name = os.environ.get("RAYLM_CPU_ATTENTION", DEFAULT)
+    backends = {"chunked": ChunkedPagedAttention, "gather": GatherSDPAAttention}
+    if name not in backends:
+        raise ValueError(f"RAYLM_CPU_ATTENTION must be one of {', '.join(backends)}, got {name!r}")
+    return backends[name]()
+
+
+class ChunkedPagedAttention(AttentionBackend):
+    name = "chunked-online-softmax"
+
+    def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
+        bs, d = meta.block_size, meta.num_decode
+        device = meta.slot_mapping.device
+        if d:
+            nb = -(-max(meta.seq_lens_host[:d]) // bs)
+            meta.extra["decode_tables"] = meta.block_tables[:d, :nb]
+            meta.extra["decode_lens"] = meta.seq_lens[:d].to(torch.int64)
+        chunks = []
+        start = sum(meta.query_lens_host[:d])
+        for i in range(d, meta.num_seqs):
+            n, total = meta.query_lens_host[i], meta.seq_lens_host[i]
+            cached = total - n
+            chunks.append((start, n, cached, meta.block_tables[i:i + 1, :-(-cached // bs)] if cached else None))
+            start += n
+        meta.extra["chunks"] = chunks
+        meta.extra["key_positions"] = torch.arange(max(CHUNK_TOKENS, bs), device=device)
+        return meta
+
+    def write_kv(self, kv_cache, layer, k, v, meta):
+        kv_cache.write(layer, k, v, meta.slot_mapping)
+
+    def forward(self, q, k, v, kv_cache, layer, meta):
+        t, num_heads, head_dim = q.shape
+        scale = head_dim ** -0.5
+        out = torch.empty(t, num_heads * head_dim, dtype=q.dtype, device=q.device)
+        key, value = kv_cache.key(layer), kv_cache.value(layer)  # [N, bs, KVH, D]
+        d = meta.num_decode
+        if d:
+            o, _, _ = _online_softmax(q[:d].unsqueeze(1), key, value, meta.extra["decode_tables"],
+                                      meta.extra["decode_lens"], meta.extra["key_positions"], scale)
+            out[:d] = o.reshape(d, num_heads * head_dim)
+        for s, n, cached, table in meta.extra["chunks"]:
+            qc = q[s:s + n]  # [n, H, D]
+            if not cached:
+                o = F.scaled_dot_product_attention(
+                    qc.transpose(0, 1).unsqueeze(0), k[s:s + n].transpose(0, 1).unsqueeze(0),
+                    v[s:s + n].transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale, enable_gqa=True)
+                out[s:s + n] = o[0].transpose(0, 1).reshape(n, num_heads * head_dim)
+                continue
+            # the cached prefix (every query sees all of it), then the chunk's own keys (causal)
+            lens = torch.full((1,), cached, dtype=torch.int64, device=q.device)
+            o1, m1, l1 = _online_softmax(qc.unsqueeze(0), key, value, table, lens,
+                                         meta.extra["key_positions"], scale)  # [1, n, H, D], [1, KVH, n*g, 1]
+            o2, m2, l2 = _causal_scores(qc, k[s:s + n], v[s:s + n], scale)
+            m = torch.maximum(m1, m2)
+            a1, a2 = (m1 - m).exp_() * l1, (m2 - m).exp_() * l2
+            o = (_heads_last(o1, a1) + _heads_last(o2, a2)) / _heads_last(None, a1 + a2, o1)
+            out[s:s + n] = o.reshape(n, num_heads * head_dim)
+        return out
+
+
+def _online_softmax(q, key, value, tables, lens, positions, scale):
+    """q [R, n, H, D] (R rows, each n queries that see all of the row's keys); tables [R, nb]
+    blocks of the pool key/value [N, bs, KVH, D]; lens [R] keys per row ->
+    (out [R, n, H, D], running max [R, KVH, g * n, 1], running sum [R, KVH, g * n, 1])."""
+    r, n, num_heads, head_dim = q.shape
+    _, bs, num_kv_heads, _ = key.shape
+    g = num_heads // num_kv_heads
+    # [R, KVH, g * n, D]: a KV group's query heads and the row's queries share one matmul
+    qg = (q * scale).view(r, n, num_kv_heads, g, head_dim).permute(0, 2, 3, 1, 4).reshape(r, num_kv_heads,
+                                                                                          g * n, head_dim)
+    m = torch.full((r, num_kv_heads, g * n, 1), float("-inf"), dtype=q.dtype, device=q.device)
+    denom = torch.zeros_like(m)
+    acc = torch.zeros(r, num_kv_heads, g * n, head_dim, dtype=q.dtype, device=q.device)
+    nb = tables.shape[1]
+    step = max(1, CHUNK_TOKENS // bs)
+    for c0 in range(0, nb, step):
+        ids = tables[:, c0:c0 + step]
+        c = ids.shape[1] * bs
+        kc = key.index_select(0, ids.reshape(-1)).view(r, c, num_kv_heads, head_dim)
+        vc = value.index_select(0, ids.reshape(-1)).view(r, c, num_kv_heads, head_dim)
+        s = torch.matmul(qg, kc.permute(0, 2, 3, 1))  # [R, KVH, g*n, c]
+        if c0 * bs + c > 0:
+            hidden = (positions[:c] + c0 * bs)[None, :] >= lens[:, None]  # [R, c]
+            s.masked_fill_(hidden[:, None, None, :], float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        p = (s - m_new).exp_()
+        corr = (m - m_new).exp_()
+        denom = denom * corr + p.sum(-1, keepdim=True)
+        acc = acc * corr + torch.matmul(p, vc.transpose(1, 2))  # [R, KVH, g*n, D]
+        m = m_new
+    o = (acc / denom).view(r, num_kv_heads, g, n, head_dim).permute(0, 3, 1, 2, 4).reshape(r, n, num_heads, head_dim)
+    return o, m, denom
+
+
+def _causal_scores(q, k, v, scale):
+    """q [n, H, D] against its own k/v [n, KVH, D], causal -> as _online_softmax for R = 1."""
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    g = num_heads // num_kv_heads
+    qg = (q * scale).view(n, num_kv_heads, g, head_dim).permute(1, 2, 0, 3).reshape(1, num_kv_heads, g * n, head_dim)
+    s = torch.matmul(qg, k.permute(1, 2, 0).unsqueeze(0))  # [1, KVH, g*n, n]
+    qpos = torch.arange(n, device=q.device).repeat(g)  # row g_i * n + j is query j
+    s.masked_fill_(torch.arange(n, device=q.device)[None, :] > qpos[:, None], float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    p = (s - m).exp_()
+    denom = p.sum(-1, keepdim=True)
+    acc = torch.matmul(p, v.permute(1, 0, 2).unsqueeze(0))  # [1, KVH, g*n, D]
+    o = (acc / denom).view(1, num_kv_heads, g, n, head_dim).permute(0, 3, 1, 2, 4).reshape(1, n, num_heads, head_dim)
+    return o, m, denom
+
+
+def _heads_last(o, w, like=None):
+    """Weights w [1, KVH, g*n, 1] laid out like an output [1, n, H, D] (times o when given)."""
+    ref = o if o is not None else like
+    _, n, num_heads, head_dim = ref.shape
+    num_kv_heads = w.shape[1]
+    g = num_heads // num_kv_heads
+    wl = w.view(1, num_kv_heads, g, n, 1).permute(0, 3, 1, 2, 4).reshape(1, n, num_heads, 1)
+    return wl * o if o is not None else wl

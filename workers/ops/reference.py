@@ -1,0 +1,121 @@
+"""The reference op table: plain eager torch. It defines correct; every other table is tested
+against it (and it against HF transformers through the model).
+
+Attention gathers each sequence's blocks through its block table and calls SDPA:
+- the decode rows together, one call, their padded block tables gathered at once and a key
+  mask hiding each row's padding;
+- a prefill chunk that starts at position 0 attends causally within its own new keys (no gather);
+- one that starts after cached tokens gathers its blocks and uses an offset-causal mask (SDPA's
+  is_causal aligns top-left, which is wrong when q_len < kv_len).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from workers.ops.base import AttentionBackend, AttentionMetadata, OpTable
+
+
+def _blocks_for(n: int, block_size: int) -> int:
+    return (n + block_size - 1) // block_size
+
+
+class GatherSDPAAttention(AttentionBackend):
+    name = "gather-sdpa"
+
+    def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
+        bs, d = meta.block_size, meta.num_decode
+        device = meta.slot_mapping.device
+        if d:
+            lens = meta.seq_lens_host[:d]
+            nb = _blocks_for(max(lens), bs)
+            meta.extra["decode_tables"] = meta.block_tables[:d, :nb]  # [D, nb]
+            mask = None
+            if any(n != nb * bs for n in lens):
+                keys = torch.arange(nb * bs, device=device)
+                mask = (keys[None, :] < meta.seq_lens[:d, None])[:, None, None, :]  # [D, 1, 1, nb * bs]
+            meta.extra["decode_mask"] = mask
+        chunks = []
+        start = sum(meta.query_lens_host[:d])
+        for i in range(d, meta.num_seqs):
+            n, total = meta.query_lens_host[i], meta.seq_lens_host[i]
+            cached = total - n
+            ids = mask = None
+            if cached:
+                nb = _blocks_for(total, bs)
+                ids = meta.block_tables[i, :nb]
+                keys = torch.arange(nb * bs, device=device)
+                queries = torch.arange(cached, total, device=device)
+                mask = keys[None, :] <= queries[:, None]  # [n, nb * bs]
+            chunks.append((start, n, cached, ids, mask))
+            start += n
+        meta.extra["chunks"] = chunks
+        return meta
+
+    def write_kv(self, kv_cache, layer, k, v, meta):
+        kv_cache.write(layer, k, v, meta.slot_mapping)
+
+    def forward(self, q, k, v, kv_cache, layer, meta):
+        t, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        group = num_heads // num_kv_heads
+        scale = head_dim ** -0.5
+        outs = []
+        d = meta.num_decode
+        if d:
+            keys, values = kv_cache.gather(layer, meta.extra["decode_tables"])  # [D, n, KVH, D]
+            # one query per row: fold a KV group's query heads into the query-length axis
+            qd = q[:d].view(d, num_kv_heads, group, head_dim)  # [D, KVH, group, D]
+            o = F.scaled_dot_product_attention(qd, keys.transpose(1, 2), values.transpose(1, 2),
+                                               attn_mask=meta.extra["decode_mask"], scale=scale)
+            outs.append(o.reshape(d, num_heads * head_dim))
+        for s, n, cached, ids, mask in meta.extra["chunks"]:
+            qc = q[s:s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            if cached == 0:
+                kc, vc = k[s:s + n], v[s:s + n]  # [n, KVH, D]
+            else:
+                kc, vc = kv_cache.gather(layer, ids)  # [ctx, KVH, D]
+            o = F.scaled_dot_product_attention(
+                qc, kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask, is_causal=cached == 0, scale=scale, enable_gqa=True,
+            )  # [1, H, n, D]
+            outs.append(o[0].transpose(0, 1).reshape(n, num_heads * head_dim))
+        if len(outs) == 1:
+            return outs[0]
+        return torch.cat(outs)
+
+
+class ReferenceOps(OpTable):
+    """Eager torch, HF's exact op order (so fp32 greedy equals HF token for token)."""
+
+    name = "reference"
+
+    def __init__(self) -> None:
+        self.attention = GatherSDPAAttention()
+
+    def linear_into(self, x, handle, out):
+        weight, bias = handle
+        if bias is None and out.dtype == x.dtype:
+            return torch.mm(x, weight[: out.shape[1]].t(), out=out)
+        return super().linear_into(x, handle, out)
+
+    def rms_norm(self, x, weight, eps):
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(dtype)
+
+    def apply_rotary(self, q, k, cos, sin):
+        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def silu_and_mul(self, x):
+        i = x.shape[-1] // 2
+        return F.silu(x[:, :i]) * x[:, i:]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
