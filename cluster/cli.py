@@ -16,6 +16,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled tiny Qwen3)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"])
     p.add_argument("--replicas", type=int, default=1, help="data-parallel replicas")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices (worker actors) per replica, the model split across them")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default: the checkpoint's; bf16/fp16 weights compute in float32 on a CPU "
                         "without half-precision matmul instructions)")
@@ -38,7 +40,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     kw = dict(model=a.model, device=a.device, num_replicas=a.replicas, dtype=a.dtype,
               num_kv_blocks=a.num_kv_blocks, max_model_len=a.max_model_len, threads_per_worker=a.threads_per_worker,
-              accelerator_resource=a.accelerator_resource, enforce_eager=a.enforce_eager, graph_sizes=a.graph_sizes)
+              accelerator_resource=a.accelerator_resource, enforce_eager=a.enforce_eager, graph_sizes=a.graph_sizes,
+              tensor_parallel_size=a.tensor_parallel_size)
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):  # unset: EngineConfig's default
         if getattr(a, name) is not None:
             kw[name] = getattr(a, name)

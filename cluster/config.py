@@ -31,6 +31,8 @@ class EngineConfig:
     `pipeline_depth` 2 dispatches step N+1 before step N returns; 1 turns that off.
     `device_outputs` None reads RAYLM_DEVICE_OUTPUTS (unset or 1: sample on the
     worker; 0: return full logits and sample on the driver, for A/B benchmarks).
+    `tensor_parallel_size` ranks (one worker actor per device) make up each replica;
+    `num_replicas` such groups serve in data parallel.
     `accelerator_resource` overrides the Ray resource each worker asks one of
     (default: "NPU" for npu, "GPU" for cuda, none for cpu); tests set "NPU" with device
     "cpu" to exercise NPU placement on a machine without NPUs. `block_size` None: 128 on
@@ -48,6 +50,7 @@ class EngineConfig:
     model: str | None = None
     device: str = "cpu"
     num_replicas: int = 1
+    tensor_parallel_size: int = 1
     dtype: str | None = None
     block_size: int | None = None
     num_kv_blocks: int | None = None
@@ -82,6 +85,7 @@ class EngineConfig:
         if self.dtype is not None:
             self.dtype = canonical_dtype(self.dtype)
         check_int("num_replicas", self.num_replicas, 1)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.block_size is None:
             self.block_size = default_block_size(self.device)
         check_int("block_size", self.block_size, 1)
