@@ -41,7 +41,7 @@ $(PEERS_VENV)/.installed:
 
 # What needs no Ray: scheduler, workers, detokenizer, router, parsers (under a minute).
 test-fast: venv
-	$(BIN)/python -m pytest -q -m "not ray and not deploy" tests
+	$(BIN)/python -m pytest -q -m "not ray and not deploy and not multiprocess" tests
 
 lint: venv
 	$(BIN)/ruff check .

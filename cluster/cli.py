@@ -16,6 +16,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled tiny Qwen3)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"])
     p.add_argument("--replicas", type=int, default=1, help="data-parallel replicas")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices (worker actors) per replica, the model split across them")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default: the checkpoint's; bf16/fp16 weights compute in float32 on a CPU "
                         "without half-precision matmul instructions)")
@@ -29,12 +31,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accelerator-resource", default=None,
                    help="Ray resource each worker takes one of (default: NPU for npu, GPU for cuda, none for cpu); "
                         "e.g. NPU with --device cpu places CPU workers as they would be placed on NPUs")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no captured decode graphs on cuda/npu (every step eager)")
+    p.add_argument("--graph-sizes", default=None, type=lambda s: [int(x) for x in s.split(",")],
+                   help="decode graph batch buckets, e.g. 1,2,4,8 (default: powers of two up to max_num_seqs)")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     kw = dict(model=a.model, device=a.device, num_replicas=a.replicas, dtype=a.dtype,
               num_kv_blocks=a.num_kv_blocks, max_model_len=a.max_model_len, threads_per_worker=a.threads_per_worker,
-              accelerator_resource=a.accelerator_resource)
+              accelerator_resource=a.accelerator_resource, enforce_eager=a.enforce_eager, graph_sizes=a.graph_sizes,
+              tensor_parallel_size=a.tensor_parallel_size)
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):  # unset: EngineConfig's default
         if getattr(a, name) is not None:
             kw[name] = getattr(a, name)

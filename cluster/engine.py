@@ -70,22 +70,33 @@ class Engine:
 
     # ---- lifecycle ----
     def start(self) -> Engine:
-        from workers.loader import bundled_model_path, eos_token_ids, is_random_spec, load_tokenizer, parse_random_spec
+        from workers.loader import (
+            bundled_model_path,
+            eos_token_ids,
+            is_random_spec,
+            load_config,
+            load_tokenizer,
+            parse_random_spec,
+            random_spec_config,
+        )
+        from workers.parallel import check_shardable
 
         cfg = self.config
         self.model_path = cfg.model or bundled_model_path()
+        tp = cfg.tensor_parallel_size
         if is_random_spec(self.model_path):  # random weights, no tokenizer: token-id prompts only
-            parse_random_spec(self.model_path)
+            check_shardable(random_spec_config(parse_random_spec(self.model_path)), tp)
             self.tokenizer, self.eos_token_ids = None, frozenset()
         else:
+            check_shardable(load_config(self.model_path), tp)  # before any actor starts
             self.tokenizer = load_tokenizer(self.model_path)
             self.eos_token_ids = frozenset(eos_token_ids(self.model_path))
-        threads = cfg.threads_per_worker or (default_threads(cfg.num_replicas) if cfg.device == "cpu" else 1)
+        threads = cfg.threads_per_worker or (default_threads(cfg.num_replicas, tp) if cfg.device == "cpu" else 1)
         resources = worker_resources(cfg.device, threads, cfg.accelerator_resource)
         runner_configs = [cfg.runner_config(i, model_path=self.model_path, num_threads=threads)
                           for i in range(cfg.num_replicas)]
         self.device_outputs = runner_configs[0].device_outputs
-        groups = create_replica_groups(resources, cfg.num_replicas, cfg.start_timeout_s)
+        groups = create_replica_groups(resources, cfg.num_replicas, cfg.start_timeout_s, tp)
         for i, (pg, runner_config) in enumerate(zip(groups, runner_configs)):
             self.replicas.append(Replica(i, cfg, runner_config, resources, pg, self._on_updates))
         try:
@@ -99,7 +110,8 @@ class Engine:
         info = self.replicas[0].info
         self.max_model_len = info["max_model_len"]
         self.vocab_size = info["vocab_size"]
-        log.info("raylm engine up: %d replica(s) of %s on %s", len(self.replicas), self.model_path, cfg.device)
+        log.info("raylm engine up: %d replica(s) x TP %d of %s on %s", len(self.replicas), tp, self.model_path,
+                 cfg.device)
         return self
 
     def shutdown(self) -> None:
@@ -323,6 +335,7 @@ class Engine:
         total["bytes_pulled_per_decode_step"] = pulled / decode_steps if decode_steps else 0.0
         total["rows_per_decode_step"] = total.get("decode_rows", 0) / decode_steps if decode_steps else 0.0
         total["num_replicas"] = len(self.replicas)
+        total["tensor_parallel_size"] = self.config.tensor_parallel_size
         total["replicas_alive"] = sum(1 for r in self.replicas if not r.dead)
         total["device_outputs"] = self.device_outputs
         total["pipeline_depth"] = self.config.pipeline_depth_for(self.device_outputs)

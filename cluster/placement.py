@@ -1,9 +1,11 @@
 """Placement groups and device resources for worker actors.
 
-Each replica's workers live in one placement group. A worker asks for one unit of its
-accelerator resource ("NPU" or "GPU"; Ray then sets ASCEND_RT_VISIBLE_DEVICES or
-CUDA_VISIBLE_DEVICES for it) plus CPUs for its threads. Where the cluster has several
-nodes that can hold a replica, replicas are pinned round-robin to different nodes.
+Each replica's workers live in one placement group: one bundle per tensor-parallel rank,
+rank 0 first, packed onto one node (STRICT_PACK: the ranks' collectives stay inside a
+node). A worker asks for one unit of its accelerator resource ("NPU" or "GPU"; Ray then
+sets ASCEND_RT_VISIBLE_DEVICES or CUDA_VISIBLE_DEVICES for it) plus CPUs for its threads.
+Where the cluster has several nodes that can hold a replica, replicas are pinned
+round-robin to different nodes.
 """
 
 from __future__ import annotations
@@ -39,46 +41,49 @@ def worker_resources(device: str, threads: int, accelerator_resource: str | None
     return WorkerResources(num_cpus=num_cpus, accelerator=accelerator)
 
 
-def default_threads(num_replicas: int) -> int:
-    """Torch threads per CPU worker so that replicas don't fight over cores."""
+def default_threads(num_replicas: int, tensor_parallel_size: int = 1) -> int:
+    """Torch threads per CPU worker so that replicas and their ranks don't fight over cores."""
     cpus = int(ray.cluster_resources().get("CPU", 1))
-    return max(1, cpus // num_replicas)
+    return max(1, cpus // (num_replicas * tensor_parallel_size))
 
 
-def _spread_nodes(resources: WorkerResources, num_replicas: int) -> list[str | None]:
-    """A node address per replica, round-robin over nodes that fit a worker; None: let Ray pick."""
+def _spread_nodes(resources: WorkerResources, num_replicas: int, ranks: int) -> list[str | None]:
+    """A node address per replica, round-robin over nodes that fit all its ranks; None: let Ray pick."""
     bundle = resources.bundle()
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     fitting = [n["NodeManagerAddress"] for n in nodes
-               if all(n.get("Resources", {}).get(k, 0) >= v for k, v in bundle.items())]
+               if all(n.get("Resources", {}).get(k, 0) >= v * ranks for k, v in bundle.items())]
     if len(fitting) < 2:
         return [None] * num_replicas
     return [fitting[i % len(fitting)] for i in range(num_replicas)]
 
 
-def create_replica_groups(resources: WorkerResources, num_replicas: int, timeout_s: float):
-    """One ready placement group per replica (one bundle: one worker), or a clear error."""
+def create_replica_groups(resources: WorkerResources, num_replicas: int, timeout_s: float,
+                          tensor_parallel_size: int = 1):
+    """One ready placement group per replica (a bundle per rank, on one node), or a clear error."""
     groups = []
-    for node_ip in _spread_nodes(resources, num_replicas):
+    for node_ip in _spread_nodes(resources, num_replicas, tensor_parallel_size):
         bundle = resources.bundle()
         if node_ip is not None:
             bundle[f"node:{node_ip}"] = 0.001
-        groups.append(placement_group([bundle], strategy="STRICT_PACK"))
+        groups.append(placement_group([dict(bundle) for _ in range(tensor_parallel_size)], strategy="STRICT_PACK"))
     for i, pg in enumerate(groups):
         ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
         if not ready:
             for g in groups:
                 remove_placement_group(g)
             raise RuntimeError(
-                f"could not place replica {i}: each worker needs {resources.bundle()}, "
-                f"the cluster has {ray.cluster_resources()} (available now: {ray.available_resources()}); "
-                f"lower num_replicas or threads_per_worker, or add nodes"
+                f"could not place replica {i}: its {tensor_parallel_size} worker(s) need {resources.bundle()} "
+                f"each, on one node; the cluster has {ray.cluster_resources()} "
+                f"(available now: {ray.available_resources()}); "
+                f"lower num_replicas, tensor_parallel_size or threads_per_worker, or add nodes"
             )
     return groups
 
 
-def scheduling_strategy(pg) -> PlacementGroupSchedulingStrategy:
-    return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)
+def scheduling_strategy(pg, rank: int = 0) -> PlacementGroupSchedulingStrategy:
+    """Rank `rank`'s bundle of a replica's group."""
+    return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=rank)
 
 
 def release(pg) -> None:

@@ -1,4 +1,9 @@
-"""Replica: one worker actor, its Scheduler, and the driver loop between them.
+"""Replica: its worker actor(s), its Scheduler, and the driver loop between them.
+
+Under tensor parallelism the replica is a group of `tensor_parallel_size` actors (rank 0
+first); every rank gets the same plan bytes each step, only rank 0's result is pulled,
+and a rank that dies, raises or hangs takes the whole group down: it is rebuilt, and its
+requests recomputed, exactly as a single worker is.
 
 The loop runs on its own thread. It keeps up to `pipeline_depth` steps in flight: plan
 N+1 is sent before result N is back, its decode rows taking the worker's resident
@@ -27,6 +32,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -44,6 +50,8 @@ from workers.actor import remote_worker
 from workers.runner_config import RunnerConfig
 
 log = logging.getLogger(__name__)
+
+_INLINE_PLAN_BYTES = 64 * 1024  # TP: larger plans go to the object store once for all ranks
 
 
 @dataclass
@@ -74,7 +82,7 @@ class Replica:
         self._stopping = False
         self._stopped = threading.Event()  # interrupts backoff and cool-down waits
         self.health_state = ReplicaHealth(index, config)
-        self.worker = None
+        self.workers: list = []  # rank 0 first; empty while (re)starting
         self.info: dict = {}
         self.scheduler: Scheduler | None = None
         self.stats = ReplicaStats()
@@ -101,14 +109,31 @@ class Replica:
         """Not routable: it gave up (cooling down before a retry) or was shut down."""
         return not self.health_state.routable
 
+    @property
+    def worker(self):
+        """Rank 0's actor (the only one for TP 1); None while the group (re)starts."""
+        return self.workers[0] if self.workers else None
+
     def _start_worker(self) -> dict:
-        self.worker = remote_worker().options(
+        cfg = self.config
+        tp = cfg.tensor_parallel_size
+        workers = [remote_worker().options(
             num_cpus=self._resources.num_cpus,
             resources={self._resources.accelerator: 1} if self._resources.accelerator else None,
-            scheduling_strategy=scheduling_strategy(self._pg),
-        ).remote()
+            scheduling_strategy=scheduling_strategy(self._pg, rank),
+        ).remote() for rank in range(tp)]
+        parallel = [None]
+        if tp > 1:  # rank 0 hosts the rendezvous; the group's collectives time out after the driver's checks
+            address, port = ray.get(workers[0].rendezvous.remote(), timeout=cfg.start_timeout_s)
+            timeout = max(cfg.step_timeout_s, cfg.start_timeout_s)
+            parallel = [dict(rank=r, world_size=tp, master_addr=address, master_port=port, timeout_s=timeout)
+                        for r in range(tp)]
+        self.workers = workers  # set before start: a failed start is killed by _kill_worker
         config = dataclasses.asdict(self._runner_config)  # a plain dict crosses to the actor
-        return ray.get(self.worker.start.remote(config), timeout=self.config.start_timeout_s)
+        infos = ray.get([w.start.remote(config, p) for w, p in zip(workers, parallel)], timeout=cfg.start_timeout_s)
+        info = dict(infos[0])
+        info["ranks"] = [{k: i[k] for k in ("pid", "node_id", "visible_devices")} for i in infos]
+        return info
 
     def shutdown(self) -> None:
         self._stopping = True
@@ -121,12 +146,12 @@ class Replica:
         release(self._pg)
 
     def _kill_worker(self) -> None:
-        if self.worker is not None:
+        workers, self.workers = self.workers, []
+        for w in workers:  # every rank: the survivors may be waiting in a collective
             try:
-                ray.kill(self.worker, no_restart=True)
+                ray.kill(w, no_restart=True)
             except Exception as e:  # already dead
                 log.debug("killing worker failed: %s", e)
-            self.worker = None
 
     # ---- requests (any thread) ----
     def add(self, request: Request) -> None:
@@ -173,14 +198,14 @@ class Replica:
                     plan = self.scheduler.schedule()
                     if plan is None:
                         break
-                    inflight.append((plan, self.worker.execute.remote(plan.to_bytes())))
+                    inflight.append((plan, self._dispatch(plan.to_bytes())))
             if not inflight:
                 self._wakeup.wait()
                 self._wakeup.clear()
                 continue
-            plan, ref = inflight.popleft()
+            plan, refs = inflight.popleft()
             try:
-                data = ray.get(ref, timeout=self.config.step_timeout_s)
+                data = self._collect(refs)
             except (RayActorError, RayTaskError, GetTimeoutError) as e:
                 inflight.clear()
                 self._recover(e)
@@ -189,6 +214,30 @@ class Replica:
             updates = self._apply(plan, data)
             if updates:
                 self._emit(self, updates)  # no lock held: the engine may post_finish right back
+
+    def _dispatch(self, data: bytes) -> list:
+        """Send one plan's bytes (serialized once) to every rank; one ref per rank."""
+        if len(self.workers) > 1 and len(data) > _INLINE_PLAN_BYTES:
+            data = ray.put(data)  # a large plan enters the object store once, not once per rank
+        return [w.execute.remote(data) for w in self.workers]
+
+    def _collect(self, refs: list) -> bytes:
+        """Rank 0's result once every rank finished the step; a rank that failed raises, one
+        that is still running past the step timeout raises GetTimeoutError."""
+        timeout = self.config.step_timeout_s
+        if len(refs) == 1:
+            return ray.get(refs[0], timeout=timeout)
+        deadline = time.monotonic() + timeout
+        pending, data = list(refs), b""
+        while pending:  # whichever rank finishes (or fails) first is checked first
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()),
+                                      fetch_local=False)
+            if not ready:
+                raise GetTimeoutError(f"{len(pending)} of {len(refs)} ranks did not finish within {timeout}s")
+            value = ray.get(ready[0])  # raises the rank's error; ranks > 0 return b"" (nothing to pull)
+            if ready[0] == refs[0]:
+                data = value
+        return data
 
     def _drain_inbox(self) -> None:
         """Finish what the engine asked to (under the lock). The loop drains before it plans;

@@ -3,7 +3,11 @@ imports ray. Everything it receives and returns is msgpack bytes or plain dicts.
 
 Replicas start the class `remote_worker()` returns: WorkerActor, or a subclass that the
 RAYLM_WORKER_ACTOR environment variable names as "module:Class". Only tests set it (their
-fault-injecting worker lives under tests/); production code has no fault hooks."""
+fault-injecting worker lives under tests/); production code has no fault hooks.
+
+Under tensor parallelism a replica's ranks are actors like this one: the driver asks rank 0
+for a rendezvous address, then starts every rank with its ParallelConfig; each step every
+rank gets the same plan bytes and only rank 0 returns a result (the others return b"")."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import ray
 
 from scheduler.protocol import StepPlan
 from workers.device import set_cpu_threads, visible_devices_env
+from workers.parallel import SINGLE, ParallelConfig, TensorParallel, free_port
 from workers.runner import ModelRunner
 from workers.runner_config import RunnerConfig
 
@@ -25,12 +30,19 @@ class WorkerActor:
 
     def __init__(self) -> None:
         self.runner: ModelRunner | None = None
+        self.parallel: TensorParallel = SINGLE
 
-    def start(self, config: dict) -> dict:
+    def rendezvous(self) -> tuple[str, int]:
+        """(address, free port) where this actor, as rank 0, will host its group's rendezvous."""
+        address = ray.util.get_node_ip_address()
+        return address, free_port(address)
+
+    def start(self, config: dict, parallel: dict | None = None) -> dict:
         cfg = RunnerConfig(**config)
         if cfg.device == "cpu":
             set_cpu_threads(cfg.num_threads)
-        self.runner = ModelRunner(cfg)
+        self.parallel = TensorParallel.join(ParallelConfig(**(parallel or {})), cfg.device)
+        self.runner = ModelRunner(cfg, parallel=self.parallel)
         self.runner.warmup()
         env = visible_devices_env(cfg.device)
         return {
@@ -44,10 +56,12 @@ class WorkerActor:
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
             "hostname": socket.gethostname(),
+            "tensor_parallel_rank": self.parallel.rank,
         }
 
     def execute(self, plan_bytes: bytes) -> bytes:  # StepPlan bytes -> StepResult bytes
-        return self.runner.execute(StepPlan.from_bytes(plan_bytes)).to_bytes()
+        result = self.runner.execute(StepPlan.from_bytes(plan_bytes))
+        return result.to_bytes() if self.parallel.is_first else b""  # only rank 0's result is pulled
 
     def stats(self) -> dict:
         return self.runner.stats() if self.runner is not None else {}
@@ -56,6 +70,7 @@ class WorkerActor:
         if self.runner is not None:
             self.runner.close()
             self.runner = None
+        self.parallel.close()
         ray.actor.exit_actor()
 
 

@@ -7,6 +7,9 @@ or unexpected weight, both shapes of a mismatch, the architecture that is not Qw
 
 A model spec `random:qwen3-0.6b[?layers=N&seed=S]` instead of a path names a model with
 seeded random weights built in memory (benchmarks); it has no tokenizer.
+
+Under tensor parallelism (`parallel`) each rank reads only its slice of each tensor
+(safetensors' get_slice), as workers/parallel.py splits them.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from safetensors import safe_open
 
 from workers.models.qwen3 import PreparedWeights, Qwen3Config, Qwen3ForCausalLM
+from workers.parallel import SINGLE, TensorParallel, shard_of
 from workers.runner_config import DTYPE_ALIASES, DTYPE_NAMES, canonical_dtype
 
 ARCHITECTURE = "Qwen3ForCausalLM"
@@ -130,10 +134,12 @@ def _weight_files(d: Path) -> list[Path]:
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {str(d)!r}")
 
 
-def empty_model(config: Qwen3Config, dtype: torch.dtype, device) -> Qwen3ForCausalLM:
-    """A model with uninitialized weights of `dtype` on `device` (built on meta: no double allocation)."""
+def empty_model(config: Qwen3Config, dtype: torch.dtype, device,
+                parallel: TensorParallel = SINGLE) -> Qwen3ForCausalLM:
+    """A model (this rank's part of it) with uninitialized weights of `dtype` on `device`
+    (built on meta: no double allocation)."""
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(config)
+        model = Qwen3ForCausalLM(config, parallel)
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()
     model.reset_rotary()
@@ -153,10 +159,10 @@ def cast_model(model: Qwen3ForCausalLM, dtype: torch.dtype, device=None, *, copy
 
 
 @torch.no_grad()
-def load_model(path, dtype=None, device="cpu") -> Qwen3ForCausalLM:
+def load_model(path, dtype=None, device="cpu", parallel: TensorParallel = SINGLE) -> Qwen3ForCausalLM:
     d = _checkpoint_dir(path)
     config = load_config(d)
-    model = empty_model(config, resolve_dtype(dtype or config.torch_dtype), device)
+    model = empty_model(config, resolve_dtype(dtype or config.torch_dtype), device, parallel)
     params = dict(model.named_parameters())  # tied: lm_head.weight is the embedding, listed once
     loaded: set[str] = set()
     for file in _weight_files(d):
@@ -166,19 +172,50 @@ def load_model(path, dtype=None, device="cpu") -> Qwen3ForCausalLM:
                     if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
                         continue
                     raise CheckpointError(f"unexpected weight {name!r} in {file.name}")
-                tensor = f.get_tensor(name)
                 param = params[name]
-                if tuple(tensor.shape) != tuple(param.shape):
+                source = f.get_slice(name)  # reads nothing until sliced
+                shape = tuple(source.get_shape())
+                if shape != _full_shape(model, name, param):
                     raise CheckpointError(
-                        f"shape mismatch for {name!r}: checkpoint has {tuple(tensor.shape)}, "
-                        f"model expects {tuple(param.shape)}"
+                        f"shape mismatch for {name!r}: checkpoint has {shape}, "
+                        f"model expects {_full_shape(model, name, param)}"
                     )
-                param.copy_(tensor)
+                param.copy_(shard_of(name, source, shape, parallel, config.vocab_size))
                 loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"missing weight {missing[0]!r}{more} in {str(d)!r}")
+    return model
+
+
+def _full_shape(model: Qwen3ForCausalLM, name: str, param) -> tuple[int, ...]:
+    """The whole (unsharded) shape of parameter `name`, as the checkpoint stores it."""
+    if not model.parallel.enabled:
+        return tuple(param.shape)
+    return tuple(_meta_full(model.config).get_parameter(name).shape)
+
+
+_META_FULL: dict = {}  # Qwen3Config -> the whole model on meta (shapes only)
+
+
+def _meta_full(config: Qwen3Config) -> Qwen3ForCausalLM:
+    if config not in _META_FULL:
+        with torch.device("meta"):
+            _META_FULL[config] = Qwen3ForCausalLM(config)
+    return _META_FULL[config]
+
+
+@torch.no_grad()
+def shard_model(full: Qwen3ForCausalLM, parallel: TensorParallel) -> Qwen3ForCausalLM:
+    """This rank's part of a whole in-memory model (random models under TP)."""
+    if not parallel.enabled:
+        return full
+    device = full.model.embed_tokens.weight.device
+    model = empty_model(full.config, full.dtype, device, parallel)
+    for name, param in model.named_parameters():
+        whole = full.get_parameter(name)
+        param.copy_(shard_of(name, whole, tuple(whole.shape), parallel, full.config.vocab_size))
     return model
 
 
@@ -270,12 +307,24 @@ def parse_random_spec(spec: str) -> RandomModelSpec:
     return RandomModelSpec(name, **opts)
 
 
-def random_model(spec: str, dtype=None, device="cpu") -> Qwen3ForCausalLM:
-    """The model a random spec names; dtype None: the shape's own (bfloat16)."""
+def random_spec_config(spec: RandomModelSpec) -> Qwen3Config:
+    """The shape a parsed random spec names."""
+    shape = dict(RANDOM_SHAPES[spec.name])
+    if spec.layers is not None:
+        shape["num_hidden_layers"] = spec.layers
+    return Qwen3Config(**shape)
+
+
+def random_model(spec: str, dtype=None, device="cpu", parallel: TensorParallel = SINGLE) -> Qwen3ForCausalLM:
+    """The model a random spec names (this rank's part); dtype None: the shape's own (bfloat16).
+    Under TP the whole model is drawn on the CPU, so every rank slices the same weights."""
     s = parse_random_spec(spec)
     shape = RANDOM_SHAPES[s.name]
     dtype = dtype or shape.get("torch_dtype", Qwen3Config.torch_dtype)
-    return random_qwen3(dtype=dtype, layers=s.layers, seed=s.seed, device=device, **shape)
+    if not parallel.enabled:
+        return random_qwen3(dtype=dtype, layers=s.layers, seed=s.seed, device=device, **shape)
+    full = random_qwen3(dtype=dtype, layers=s.layers, seed=s.seed, device="cpu", **shape)
+    return shard_model(full, parallel).to(device)
 
 
 @torch.no_grad()

@@ -6,6 +6,10 @@ USE_RESIDENT needs no input token from the driver. Per step, the embedded inputs
 the resident "next_hidden" buffer and the sampling rows' logits into the resident "logits"
 buffer (batch sizes bucketed); only int32 ids (and logprobs when asked) reach the host.
 With device outputs off it returns the logits instead, trimmed to the real vocab.
+
+Under tensor parallelism every rank runs the same plan on its shard; logits are gathered
+to rank 0, which samples and broadcasts the ids, so every rank keeps the same last_tokens.
+Only rank 0's result means anything.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import time
 import torch
 
 from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, StepResult, WorkerSampling
+from workers.block_sizes import check_npu_block_size
 from workers.device import compute_dtype, num_kv_blocks, set_cpu_threads, synchronize, torch_device
+from workers.graphs import DecodeGraphs, check_graph_sizes, default_graph_sizes, graph_device_for
 from workers.kv_cache import KVCache
 from workers.loader import (
     bundled_model_path,
@@ -33,6 +39,7 @@ from workers.loader import (
 from workers.logits_codec import encode_logits
 from workers.models.qwen3 import Qwen3ForCausalLM
 from workers.ops import get_op_table
+from workers.parallel import SINGLE, TensorParallel
 from workers.resident import ResidentOutputs
 from workers.runner_config import RunnerConfig, device_outputs_enabled
 from workers.sampler import Sampler, row_logprobs
@@ -55,8 +62,12 @@ def _tokenizer_size(path: str) -> int | None:
 
 
 class ModelRunner:
-    def __init__(self, config: RunnerConfig, model: Qwen3ForCausalLM | None = None) -> None:
+    def __init__(self, config: RunnerConfig, model: Qwen3ForCausalLM | None = None,
+                 parallel: TensorParallel = SINGLE) -> None:
         self.config = config
+        self.parallel = parallel
+        if model is not None and parallel.enabled:
+            raise ValueError("a given model cannot be tensor-parallel: each rank loads its own shard")
         if config.device == "cpu" and config.num_threads is not None:
             set_cpu_threads(config.num_threads)
         self.device = torch_device(config.device, config.device_index)
@@ -66,12 +77,14 @@ class ModelRunner:
         stored = None  # the weights' own dtype
         given = model is not None
         if model is None and is_random_spec(config.model):
-            model = random_model(config.model, dtype=requested, device=self.device)  # None: the shape's dtype
+            model = random_model(config.model, dtype=requested, device=self.device,  # None: the shape's dtype
+                                 parallel=parallel)
             self.weights_fingerprint = weights_fingerprint(model)
         elif model is None:
             path = config.model or bundled_model_path()
             stored = resolve_dtype(load_config(path).torch_dtype)  # cast while loading: no second copy
-            model = load_model(path, dtype=compute_dtype(self.device, stored, requested), device=self.device)
+            model = load_model(path, dtype=compute_dtype(self.device, stored, requested), device=self.device,
+                               parallel=parallel)
             tokenizer_size = _tokenizer_size(path)
         self.weights_dtype = stored or model.dtype
         dtype = compute_dtype(self.device, self.weights_dtype, requested)
@@ -83,23 +96,30 @@ class ModelRunner:
         mc = model.config
         self.vocab_size = min(mc.vocab_size, tokenizer_size or mc.vocab_size)  # the real vocab
         self.ops = get_op_table(self.device, config.ops)
+        if self.ops.name == "npu":
+            check_npu_block_size(config.block_size)  # the fused kernels refuse other sizes
         with torch.no_grad():
             self.model.prepare(self.ops, logits_rows=self.vocab_size)  # weights fused / packed once
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
                              f"max_position_embeddings {mc.max_position_embeddings}")
+        kv_heads = model.shape.num_kv_heads  # this rank's KV heads
         bytes_per_block = KVCache.bytes_per_block(
             num_layers=mc.num_hidden_layers, block_size=config.block_size,
-            num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim, dtype=model.dtype)
+            num_kv_heads=kv_heads, head_dim=mc.head_dim, dtype=model.dtype)
         if config.num_kv_blocks is not None and self.device.type != "cpu":
             self.num_kv_blocks = config.num_kv_blocks
         else:
             self.num_kv_blocks = num_kv_blocks(
                 self.device, bytes_per_block=bytes_per_block, memory_fraction=config.memory_fraction,
                 cpu_blocks=config.num_kv_blocks or DEFAULT_CPU_BLOCKS)
-        self.kv_cache = KVCache(num_layers=mc.num_hidden_layers, num_blocks=self.num_kv_blocks,
-                                block_size=config.block_size, num_kv_heads=mc.num_key_value_heads,
+        self.num_kv_blocks = parallel.all_reduce_min(self.num_kv_blocks)  # one block table serves every rank
+        graph_device = None if config.enforce_eager or parallel.enabled else graph_device_for(self.device)
+        use_graphs = graph_device is not None and getattr(self.ops.attention, "supports_graphs", False)
+        # with graphs, one more block than the scheduler knows of: the graphs' padding rows write there
+        self.kv_cache = KVCache(num_layers=mc.num_hidden_layers, num_blocks=self.num_kv_blocks + use_graphs,
+                                block_size=config.block_size, num_kv_heads=kv_heads,
                                 head_dim=mc.head_dim, dtype=model.dtype, device=self.device)
         self.slots = SlotTable(max_num_seqs=config.max_num_seqs, num_blocks=self.num_kv_blocks,
                                block_size=config.block_size, max_model_len=self.max_model_len,
@@ -112,6 +132,15 @@ class ModelRunner:
         self.device_outputs = device_outputs_enabled(config.device_outputs)
         self.num_steps = 0
         self.num_tokens = 0
+        self.graphs: DecodeGraphs | None = None
+        if use_graphs:
+            sizes = (default_graph_sizes(config.max_num_seqs) if config.graph_sizes is None
+                     else check_graph_sizes(config.graph_sizes, config.max_num_seqs))
+            self.graphs = DecodeGraphs(
+                model=self.model, attention=self.ops.attention, kv_cache=self.kv_cache, outputs=self.outputs,
+                sizes=sizes, max_blocks=-(-self.max_model_len // config.block_size), pad_block=self.num_kv_blocks,
+                vocab_size=self.vocab_size, graph_device=graph_device)
+            self.graphs.capture()  # logs the capture time and memory
 
     # -- one step -----------------------------------------------------------------------
 
@@ -147,27 +176,41 @@ class ModelRunner:
                                    staging=self.staging, sampling_ints=list(upload.ints.values()) if upload else (),
                                    sampling_floats=list(upload.floats.values()) if upload else ())
         batch = self.slot_sampling.finish(upload, inputs.sampling_ints, inputs.sampling_floats) if upload else None
-        hidden_in = self.outputs.get_rows("next_hidden", inputs.num_tokens, (mc.hidden_size,), self.model.dtype)
-        self.model.embed(inputs.input_ids, out=hidden_in)  # [T, hidden]
-        hidden = self.model(hidden_in, inputs.positions, self.kv_cache, inputs.attn)  # [T, hidden]
-        if inputs.logits_indices is not None:
-            hidden = hidden.index_select(0, inputs.logits_indices)  # [B, hidden]
         b = len(inputs.slots)
         result.slots = inputs.slots
-        if b == 0:
-            return
-        logits = self.outputs.get_rows("logits", b, (self.vocab_size,), torch.float32)
-        self.model.compute_logits(hidden, out=logits)  # [B, V]
+        attn, t = inputs.attn, inputs.num_tokens
+        if (self.graphs is not None and attn.num_decode == attn.num_seqs == t == b
+                and self.graphs.bucket_for(t) is not None):  # decode only: replay a captured step (never under TP)
+            logits = self.graphs.run(inputs.input_ids, inputs.positions, attn)  # [B, V]
+            if inputs.logits_indices is not None:
+                logits = logits.index_select(0, inputs.logits_indices)
+        else:
+            hidden_in = self.outputs.get_rows("next_hidden", t, (mc.hidden_size,), self.model.dtype)
+            self.model.embed(inputs.input_ids, out=hidden_in)  # [T, hidden]
+            hidden = self.model(hidden_in, inputs.positions, self.kv_cache, attn)  # [T, hidden]
+            if inputs.logits_indices is not None:
+                hidden = hidden.index_select(0, inputs.logits_indices)  # [B, hidden]
+            if b == 0:
+                return
+            logits = self.outputs.get_rows("logits", b, (self.vocab_size,), torch.float32)
+            logits = self.model.compute_logits(hidden, out=logits)  # [B, V]; None on TP ranks > 0
         if not self.device_outputs:
-            result.logits, result.logits_shape, result.logits_dtype = encode_logits(logits, self.vocab_size)
+            if logits is not None:
+                result.logits, result.logits_shape, result.logits_dtype = encode_logits(logits, self.vocab_size)
             return
-        out = self.sampler(logits, batch)
-        self.last_tokens.index_copy_(0, inputs.sample_slots, out.token_ids.to(torch.int64))
+        if logits is not None:
+            out = self.sampler(logits, batch)
+            ids = out.token_ids  # [B] int32
+        else:
+            ids = self.outputs.get_rows("sampled_ids", b, (), torch.int32)  # filled by rank 0's broadcast
+        self.parallel.broadcast(ids, src=0)  # every rank keeps the same resident last tokens
+        self.last_tokens.index_copy_(0, inputs.sample_slots, ids.to(torch.int64))
         for w in inputs.work:
             w.state.has_resident = True
-        result.token_ids = out.token_ids.cpu().numpy().tobytes()  # the step's one host copy
-        result.logprobs = row_logprobs(out, batch)
         result.logits_shape = (b, 0)
+        if logits is not None:
+            result.token_ids = ids.cpu().numpy().tobytes()  # the step's one host copy
+            result.logprobs = row_logprobs(out, batch)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -181,6 +224,7 @@ class ModelRunner:
         blocks = list(range((n + bs) // bs))  # room for n prompt tokens and one decode token
         greedy = WorkerSampling()
         steps, tokens = self.num_steps, self.num_tokens
+        collective = self.parallel.collective_s, self.parallel.num_collectives
         try:
             self.execute(StepPlan(step_id=-1, new_requests=[NewRequest(0, [0] * n, 0, blocks, greedy)],
                                   rows=[ScheduledRow(0, n)]))
@@ -192,6 +236,7 @@ class ModelRunner:
             self.slot_sampling.clear()
             self.last_tokens.zero_()
             self.num_steps, self.num_tokens = steps, tokens
+            self.parallel.collective_s, self.parallel.num_collectives = collective
 
     def stats(self) -> dict:
         return {
@@ -209,10 +254,18 @@ class ModelRunner:
             "weights_dtype": str(self.weights_dtype).removeprefix("torch."),
             "device_outputs": self.device_outputs,
             "weights_fingerprint": self.weights_fingerprint,
+            "tensor_parallel_rank": self.parallel.rank,
+            "tensor_parallel_size": self.parallel.world_size,
+            "collective_s": self.parallel.collective_s,
+            "collectives": self.parallel.num_collectives,
             "ops": self.ops.describe(),
+            "decode_graphs": None if self.graphs is None else {
+                "sizes": list(self.graphs.sizes), "capture_s": self.graphs.report.seconds,
+                "capture_bytes": self.graphs.report.memory_bytes, "replays": self.graphs.num_replays},
         }
 
     def close(self) -> None:
+        self.graphs = None  # the graphs' memory pool goes with them
         self.slots.clear()
         self.sampler.close()
         self.outputs.close()

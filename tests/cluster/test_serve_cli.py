@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+import cluster
 from cluster.cli import build_parser
 
 pytestmark = pytest.mark.ray
@@ -22,6 +23,16 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_tensor_parallel_size_flag_reaches_the_engine_config():
+    from cluster.cli import _engine_kwargs
+
+    for argv, tp in ((["serve"], 1), (["serve", "--tensor-parallel-size", "4", "--replicas", "2"], 4)):
+        cfg = cluster.EngineConfig.from_kwargs(**_engine_kwargs(build_parser().parse_args(argv)))
+        assert cfg.tensor_parallel_size == tp
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1, got 0"):
+        cluster.EngineConfig(tensor_parallel_size=0)
 
 
 def test_serve_defaults_bind_loopback_and_take_the_key_from_the_environment(monkeypatch):
@@ -94,3 +105,14 @@ def test_accelerator_resource_flag_reaches_the_engine_config():
     with pytest.raises(ValueError, match="accelerator_resource"):
         cluster.EngineConfig.from_kwargs(**_engine_kwargs(build_parser().parse_args(
             ["serve", "--accelerator-resource", ""])))
+
+
+def test_graph_flags_reach_the_engine_config():
+    import cluster
+    from cluster.cli import _engine_kwargs
+
+    a = build_parser().parse_args(["serve", "--device", "npu", "--enforce-eager", "--graph-sizes", "8,1,2"])
+    cfg = cluster.EngineConfig.from_kwargs(**_engine_kwargs(a))
+    assert (cfg.enforce_eager, cfg.graph_sizes, cfg.block_size) == (True, [1, 2, 8], 128)
+    cfg = cluster.EngineConfig.from_kwargs(**_engine_kwargs(build_parser().parse_args(["serve"])))
+    assert (cfg.enforce_eager, cfg.graph_sizes) == (False, None)

@@ -6,6 +6,10 @@ that mixes prefill chunks and decode rows; how each token attends is described b
 AttentionMetadata built once per step. Every computation goes through the op table the
 runner hands to `prepare` (linear, norms, RoPE, SwiGLU, paged attention); the model knows
 nothing of plans, slots, devices or Ray.
+
+Under tensor parallelism (workers/parallel.py) each module holds its rank's slice: this
+rank's heads in attention, its part of the MLP's intermediate dim, its rows of the vocab;
+o_proj and down_proj outputs are all-reduced, embed and logits do their vocab-parallel parts.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from torch import nn
 
 from workers.kv_cache import KVCache
 from workers.ops.base import AttentionMetadata, OpTable
+from workers.parallel import SINGLE, ShardedShape, TensorParallel
 
 
 @dataclass(frozen=True)
@@ -69,10 +74,12 @@ class Qwen3Attention(nn.Module):
     """q/k/v/o projections under HF's names; `prepare` fuses q, k and v into one weight
     (concatenated along the output dim) for the op table's linear."""
 
-    def __init__(self, config: Qwen3Config) -> None:
+    def __init__(self, config: Qwen3Config, parallel: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        shape = ShardedShape.of(config, parallel)
+        self.parallel = parallel
+        self.num_heads = shape.num_heads  # this rank's heads
+        self.num_kv_heads = shape.num_kv_heads
         self.head_dim = config.head_dim
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
@@ -97,24 +104,27 @@ class Qwen3Attention(nn.Module):
         q, k = ops.apply_rotary(q, k, cos, sin)  # [T, H, D], [T, KVH, D]
         ops.attention.write_kv(kv_cache, layer, k, v, attn)
         out = ops.attention.forward(q, k, v, kv_cache, layer, attn)  # [T, H * D]
-        return ops.linear(out, w["o"])  # [T, hidden]
+        return self.parallel.all_reduce(ops.linear(out, w["o"]))  # [T, hidden], summed over the ranks
 
 
 class Qwen3MLP(nn.Module):
     """gate/up/down under HF's names; `prepare` fuses gate and up (gate rows first)."""
 
-    def __init__(self, config: Qwen3Config) -> None:
+    def __init__(self, config: Qwen3Config, parallel: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.parallel = parallel
+        inter = ShardedShape.of(config, parallel).intermediate_size  # this rank's part
+        self.gate_proj = nn.Linear(config.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
 
     def prepare(self, ops: OpTable) -> dict:
         return {"gate_up": ops.prepare_linear(*_fused(self.gate_proj, self.up_proj)),
                 "down": ops.prepare_linear(self.down_proj.weight, None)}
 
     def forward(self, ops: OpTable, w: dict, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(ops.silu_and_mul(ops.linear(x, w["gate_up"])), w["down"])  # [T, hidden]
+        out = ops.linear(ops.silu_and_mul(ops.linear(x, w["gate_up"])), w["down"])  # [T, hidden]
+        return self.parallel.all_reduce(out)  # summed over the ranks
 
 
 @torch.no_grad()
@@ -156,10 +166,10 @@ def _adjacent(parts: list[torch.Tensor]) -> bool:
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3Config) -> None:
+    def __init__(self, config: Qwen3Config, parallel: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.self_attn = Qwen3Attention(config)
-        self.mlp = Qwen3MLP(config)
+        self.self_attn = Qwen3Attention(config, parallel)
+        self.mlp = Qwen3MLP(config, parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -180,19 +190,21 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, config: Qwen3Config) -> None:
+    def __init__(self, config: Qwen3Config, parallel: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.embed_tokens = nn.Embedding(ShardedShape.of(config, parallel).vocab_rows, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, parallel) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class Qwen3ForCausalLM(nn.Module):
-    def __init__(self, config: Qwen3Config) -> None:
+    def __init__(self, config: Qwen3Config, parallel: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.config = config
-        self.model = Qwen3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.config = config  # the whole model's shape; the modules hold this rank's part
+        self.parallel = parallel
+        self.shape = ShardedShape.of(config, parallel)
+        self.model = Qwen3Model(config, parallel)
+        self.lm_head = nn.Linear(config.hidden_size, self.shape.vocab_rows, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float) / config.head_dim
@@ -218,7 +230,15 @@ class Qwen3ForCausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> out [T, hidden], written in place."""
-        return torch.index_select(self.model.embed_tokens.weight, 0, input_ids, out=out)
+        weight = self.model.embed_tokens.weight
+        if not self.parallel.enabled:
+            return torch.index_select(weight, 0, input_ids, out=out)
+        # vocab-parallel: each rank looks up the ids it holds, zeros the rest; the sum is the lookup
+        local = input_ids - self.shape.vocab_start
+        outside = (local < 0) | (local >= self.shape.vocab_rows)  # [T]
+        torch.index_select(weight, 0, local.masked_fill(outside, 0), out=out)
+        out.masked_fill_(outside[:, None], 0)
+        return self.parallel.all_reduce(out)
 
     def prepare(self, ops: OpTable, logits_rows: int | None = None) -> None:
         """Hand the model its op table and let the table prepare every linear's weights once
@@ -228,6 +248,8 @@ class Qwen3ForCausalLM(nn.Module):
         for layer in self.model.layers:
             layers.append({**layer.self_attn.prepare(ops), **layer.mlp.prepare(ops)})
         weight = self.lm_head.weight
+        if self.parallel.enabled:  # every rank computes its whole slice; rank 0 trims after the gather
+            logits_rows = None
         lm = ops.prepare_linear(weight if logits_rows is None else weight[:logits_rows], None)
         self.prepared = PreparedWeights(ops, layers, lm)
 
@@ -257,10 +279,16 @@ class Qwen3ForCausalLM(nn.Module):
             x, residual = layer(ops, p.layers[i], x, residual, cos, sin, kv_cache, i, attn)
         return x + residual
 
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """hidden [B, hidden] -> out [B, V] (float32), V <= vocab_size: only the first V ids."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+        """hidden [B, hidden] -> out [B, V] (float32), V <= vocab_size: only the first V ids.
+        Vocab-parallel: each rank's rows are gathered to rank 0; other ranks return None."""
         p = self._prepared()
         h = p.ops.rms_norm(hidden, self.model.norm.weight, self.model.norm.eps)
+        if self.parallel.enabled:
+            parts = self.parallel.gather_to_first(p.ops.linear(h, p.lm))  # [B, V / world] each
+            if parts is None:
+                return None
+            return out.copy_(torch.cat(parts, dim=1)[:, : out.shape[1]])
         if out.dtype == h.dtype:
             return p.ops.linear_into(h, p.lm, out)
         return out.copy_(p.ops.linear(h, p.lm)[:, : out.shape[1]])

@@ -1,0 +1,105 @@
+"""Run one ModelRunner per tensor-parallel rank in spawned processes (gloo, one thread
+each), without Ray: rank 0 drives a PlanDriver and hands every plan's bytes to the other
+ranks, as a replica sends the same bytes to each of its actors. Several jobs (a runner
+config and the prompts it generates for) run in one set of processes, one after another."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue as queue_mod
+
+from workers.parallel import free_port
+
+TIMEOUT_S = 240
+
+
+def job(runner_kw: dict, prompts, max_new: int, samplings=None, chunk=None) -> tuple:
+    """One generation: a runner of `runner_kw`, `max_new` tokens for each prompt."""
+    return runner_kw, prompts, samplings or [None] * len(prompts), max_new, chunk
+
+
+def run_ranks(world: int, jobs: list[tuple]) -> list[tuple[list[list[int]], dict]]:
+    """For each job, rank 0's (outputs, runner stats). One rank runs in this process."""
+    if world == 1:
+        import torch
+
+        from workers.parallel import SINGLE
+
+        threads = torch.get_num_threads()
+        try:
+            return [_run_job(0, SINGLE, [], *j) for j in jobs]
+        finally:
+            torch.set_num_threads(threads)  # the runner set one thread, as each rank has
+    ctx = mp.get_context("spawn")
+    plans = [ctx.Queue() for _ in range(world - 1)]
+    out = ctx.Queue()
+    port = free_port("127.0.0.1")
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, jobs, plans, out), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    status, results = "error", "no rank answered in time"
+    try:
+        for _ in range(TIMEOUT_S):
+            try:
+                status, results = out.get(timeout=1)
+                break
+            except queue_mod.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    status, results = "error", f"a rank exited: {[p.exitcode for p in procs]}"
+                    break
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    if status != "ok":
+        raise AssertionError(results)
+    return results
+
+
+def _rank_main(rank, world, port, jobs, plans, out):
+    import torch
+
+    from workers.parallel import ParallelConfig, TensorParallel
+
+    torch.set_num_threads(1)
+    try:
+        parallel = TensorParallel.join(ParallelConfig(rank, world, "127.0.0.1", port, timeout_s=TIMEOUT_S), "cpu")
+        results = [_run_job(rank, parallel, plans, *j) for j in jobs]
+        if rank == 0:
+            out.put(("ok", results))
+        parallel.close()
+    except BaseException as e:  # report, so the test fails with the rank's error
+        out.put(("error", f"rank {rank}: {type(e).__name__}: {e}"))
+        raise
+
+
+def _run_job(rank, parallel, plans, runner_kw, prompts, samplings, max_new, chunk):
+    from scheduler.protocol import StepPlan
+    from tests.plans import PlanDriver
+    from workers.runner import ModelRunner, RunnerConfig
+
+    runner = ModelRunner(RunnerConfig(device="cpu", num_threads=1, **runner_kw), parallel=parallel)
+    runner.warmup()
+    if rank > 0:  # follow rank 0's plans until it says stop
+        while (data := plans[rank - 1].get(timeout=TIMEOUT_S)) is not None:
+            if runner.execute(StepPlan.from_bytes(data)).token_ids:
+                raise AssertionError(f"rank {rank} returned sampled ids; only rank 0 should")
+        return None
+    execute = runner.execute
+
+    def send_and_execute(plan):
+        data = plan.to_bytes()  # serialized once: the same bytes for every rank
+        for q in plans:
+            q.put(data)
+        return execute(StepPlan.from_bytes(data))
+
+    runner.execute = send_and_execute
+    driver = PlanDriver(runner, chunk_size=chunk)
+    for prompt, sampling in zip(prompts, samplings):
+        driver.add(prompt, sampling)
+    outputs = driver.generate(max_new)
+    for q in plans:
+        q.put(None)
+    return outputs, runner.stats()

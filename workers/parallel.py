@@ -1,0 +1,234 @@
+"""Tensor parallelism inside one replica: the rank's process group and how weights split.
+
+A replica of `world_size` ranks runs one process (one Ray actor) per device. The ranks
+join one torch.distributed group (gloo on the CPU, nccl on CUDA, hccl on NPU:
+`workers.device.dist_backend`), rendezvousing over TCP at rank 0's address. The model
+holds only its rank's slice of each weight (Megatron-style):
+
+- column-parallel (output dim split): q/k/v and gate/up. Each rank owns whole heads:
+  num_attention_heads / world query heads and num_key_value_heads / world KV heads, so
+  its KV pool holds only its heads, and block tables are the same on every rank;
+- row-parallel (input dim split): o and down, followed by one all-reduce each; a bias is
+  added by rank 0 only (the others hold zeros), so the sum adds it once;
+- vocab-parallel: embedding and lm_head rows, the vocab padded up to a multiple of the
+  world size (padding rows are zeros); embed sums the ranks' masked lookups, logits are
+  gathered to rank 0, which samples.
+
+`SINGLE` is the one-rank group: every collective is the identity, so the model's TP hooks
+cost nothing when tensor parallelism is off.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+from dataclasses import dataclass
+
+import torch
+
+from workers.device import dist_backend
+
+
+def _positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Where one rank sits in its replica's group and how the group meets."""
+
+    rank: int = 0
+    world_size: int = 1
+    master_addr: str = "127.0.0.1"  # rank 0's address: the TCP rendezvous
+    master_port: int = 0
+    timeout_s: float = 600.0  # a collective waiting this long raises (the driver's step timeout fires first)
+
+    def __post_init__(self) -> None:
+        _positive_int("world_size", self.world_size)
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank!r}")
+        if self.world_size > 1 and not (isinstance(self.master_port, int) and 0 < self.master_port < 65536):
+            raise ValueError(f"master_port must be a TCP port in (0, 65536), got {self.master_port!r}")
+        if not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool) or self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be a positive number, got {self.timeout_s!r}")
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port free on this host now (for rank 0's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class TensorParallel:
+    """One rank's view of its group: rank, world size and the collectives the model uses."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1, group=None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.group = group  # a torch.distributed ProcessGroup; None for the single rank
+        # host time inside collectives (on the CPU the wait and the transfer; on accelerators,
+        # whose collectives are queued, only the launch): what bench_tp.py reports
+        self.collective_s = 0.0
+        self.num_collectives = 0
+
+    def _timed(self, op, *args, **kwargs) -> None:
+        t0 = time.perf_counter()
+        op(*args, group=self.group, **kwargs)
+        self.collective_s += time.perf_counter() - t0
+        self.num_collectives += 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def join(cls, config: ParallelConfig, device_kind: str) -> TensorParallel:
+        """Join the group `config` describes (blocks until every rank has joined)."""
+        if config.world_size == 1:
+            return SINGLE
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            raise RuntimeError("this process already belongs to a torch.distributed group")
+        dist.init_process_group(
+            backend=dist_backend(device_kind), init_method=f"tcp://{config.master_addr}:{config.master_port}",
+            rank=config.rank, world_size=config.world_size, timeout=datetime.timedelta(seconds=config.timeout_s))
+        return cls(config.rank, config.world_size, dist.group.WORLD)
+
+    def close(self) -> None:
+        if self.group is not None:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self.group = None
+
+    # -- collectives (identity on one rank) --------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x over the ranks, in place; returns x."""
+        if self.enabled:
+            self._timed(torch.distributed.all_reduce, x)
+        return x
+
+    def all_reduce_min(self, value: int) -> int:
+        """The smallest of each rank's `value` (e.g. KV blocks that fit on every rank)."""
+        if not self.enabled:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        if self.group is not None and torch.distributed.get_backend(self.group) != "gloo":
+            t = t.to(_group_device())
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's x concatenated along `dim`, on every rank."""
+        if not self.enabled:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        self._timed(torch.distributed.all_gather, parts, x.contiguous())
+        return torch.cat(parts, dim=dim)
+
+    def gather_to_first(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's x, in rank order, on rank 0 (None elsewhere)."""
+        if not self.enabled:
+            return [x]
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.is_first else None
+        self._timed(torch.distributed.gather, x, parts, dst=0)
+        return parts
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank `src`'s x into x on every rank, in place; returns x."""
+        if self.enabled:
+            self._timed(torch.distributed.broadcast, x, src=src)
+        return x
+
+
+def _group_device() -> torch.device:
+    """The device of this rank's accelerator (nccl and hccl reduce device tensors)."""
+    from workers.device import torch_device
+
+    backend = torch.distributed.get_backend()
+    return torch_device("cuda" if backend == "nccl" else "npu")
+
+
+SINGLE = TensorParallel()
+
+
+# -- how the model splits -------------------------------------------------------------
+
+def padded_vocab(vocab_size: int, world_size: int) -> int:
+    """The vocab rounded up to a multiple of world_size (each rank holds the same rows)."""
+    return -(-vocab_size // world_size) * world_size
+
+
+def check_shardable(config, world_size: int) -> None:
+    """ValueError naming each shape that does not split evenly over `world_size` ranks."""
+    _positive_int("tensor_parallel_size", world_size)
+    bad = [f"{name} ({getattr(config, name)})" for name in
+           ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+           if getattr(config, name) % world_size]
+    if bad:
+        raise ValueError(f"tensor_parallel_size {world_size} must divide {', '.join(bad)}")
+
+
+@dataclass(frozen=True)
+class ShardedShape:
+    """The sizes one rank's modules hold (world_size 1: the full model)."""
+
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_rows: int  # this rank's rows of the (padded) vocab
+    vocab_start: int  # the first vocab id this rank holds
+
+    @classmethod
+    def of(cls, config, parallel: TensorParallel) -> ShardedShape:
+        w, r = parallel.world_size, parallel.rank
+        if w == 1:
+            return cls(config.num_attention_heads, config.num_key_value_heads, config.intermediate_size,
+                       config.vocab_size, 0)
+        check_shardable(config, w)
+        rows = padded_vocab(config.vocab_size, w) // w
+        return cls(config.num_attention_heads // w, config.num_key_value_heads // w,
+                   config.intermediate_size // w, rows, r * rows)
+
+
+# parameter name suffix -> the dim split across ranks (0: output rows, 1: input columns)
+_COLUMN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias",
+           "gate_proj.weight", "up_proj.weight")
+_ROW = ("o_proj.weight", "down_proj.weight")
+_ROW_BIAS = ("o_proj.bias", "down_proj.bias")
+_VOCAB = ("embed_tokens.weight", "lm_head.weight")
+
+
+def shard_of(name: str, source, full_shape: tuple[int, ...], parallel: TensorParallel,
+             vocab_size: int) -> torch.Tensor:
+    """This rank's part of weight `name` read from `source`, which slices like a tensor
+    (a tensor, or safetensors' get_slice: only the slice is read from disk)."""
+    w, r = parallel.world_size, parallel.rank
+    if w == 1 or not name.endswith(_COLUMN + _ROW + _ROW_BIAS + _VOCAB):
+        return source[:]
+    if name.endswith(_ROW_BIAS):  # added once, by rank 0
+        return source[:] if r == 0 else torch.zeros_like(source[:])
+    if name.endswith(_VOCAB):
+        rows = padded_vocab(vocab_size, w) // w
+        start, stop = r * rows, min((r + 1) * rows, full_shape[0])
+        part = source[start:max(start, stop)] if start < full_shape[0] else source[0:0]
+        if part.shape[0] == rows:
+            return part
+        out = torch.zeros((rows, *full_shape[1:]), dtype=part.dtype)  # the padding rows
+        out[: part.shape[0]].copy_(part)
+        return out
+    dim = 0 if name.endswith(_COLUMN) else 1
+    size = full_shape[dim] // w
+    return source[r * size:(r + 1) * size] if dim == 0 else source[:, r * size:(r + 1) * size]
+
