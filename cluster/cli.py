@@ -31,12 +31,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accelerator-resource", default=None,
                    help="Ray resource each worker takes one of (default: NPU for npu, GPU for cuda, none for cpu); "
                         "e.g. NPU with --device cpu places CPU workers as they would be placed on NPUs")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no captured decode graphs on cuda/npu (every step eager)")
+    p.add_argument("--graph-sizes", default=None, type=lambda s: [int(x) for x in s.split(",")],
+                   help="decode graph batch buckets, e.g. 1,2,4,8 (default: powers of two up to max_num_seqs)")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     kw = dict(model=a.model, device=a.device, num_replicas=a.replicas, dtype=a.dtype,
               num_kv_blocks=a.num_kv_blocks, max_model_len=a.max_model_len, threads_per_worker=a.threads_per_worker,
-              accelerator_resource=a.accelerator_resource, tensor_parallel_size=a.tensor_parallel_size)
+              accelerator_resource=a.accelerator_resource, enforce_eager=a.enforce_eager, graph_sizes=a.graph_sizes,
+              tensor_parallel_size=a.tensor_parallel_size)
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):  # unset: EngineConfig's default
         if getattr(a, name) is not None:
             kw[name] = getattr(a, name)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, fields
 
-from scheduler.checks import check_bool, check_fraction, check_int, check_positive
+from scheduler.checks import check_bool, check_fraction, check_int, check_positive, is_int
 from scheduler.scheduler_config import SchedulerConfig
+from workers.block_sizes import check_npu_block_size, default_block_size
 from workers.runner_config import DEVICE_KINDS, RunnerConfig, canonical_dtype, device_outputs_enabled
 
 
@@ -34,7 +35,11 @@ class EngineConfig:
     `num_replicas` such groups serve in data parallel.
     `accelerator_resource` overrides the Ray resource each worker asks one of
     (default: "NPU" for npu, "GPU" for cuda, none for cpu); tests set "NPU" with device
-    "cpu" to exercise NPU placement on a machine without NPUs.
+    "cpu" to exercise NPU placement on a machine without NPUs. `block_size` None: 128 on
+    the NPU (what its fused kernels take; they refuse sizes that are not multiples of 16
+    up to 128), 16 elsewhere. On accelerators decode-only steps replay captured graphs,
+    one per batch bucket in `graph_sizes` (None: powers of two up to max_num_seqs);
+    `enforce_eager` turns that off.
     Healing (docs/reliability.md): a replica restarts a failed worker at most
     `max_worker_restarts` times within any `restart_window_s` seconds, waiting
     `restart_backoff_s` (doubling, at most `max_restart_backoff_s`) between failures in
@@ -47,7 +52,7 @@ class EngineConfig:
     num_replicas: int = 1
     tensor_parallel_size: int = 1
     dtype: str | None = None
-    block_size: int = 16
+    block_size: int | None = None
     num_kv_blocks: int | None = None
     memory_fraction: float = 0.9
     max_num_seqs: int = 64
@@ -67,6 +72,8 @@ class EngineConfig:
     replica_cooldown_s: float = 60.0
     max_waiting_requests: int = 4096
     start_timeout_s: float = 600.0
+    enforce_eager: bool = False
+    graph_sizes: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -78,8 +85,12 @@ class EngineConfig:
         if self.dtype is not None:
             self.dtype = canonical_dtype(self.dtype)
         check_int("num_replicas", self.num_replicas, 1)
+        if self.block_size is None:
+            self.block_size = default_block_size(self.device)
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         check_int("block_size", self.block_size, 1)
+        if self.device == "npu":
+            check_npu_block_size(self.block_size)
         check_int("num_kv_blocks", self.num_kv_blocks, 2, optional=True)
         check_fraction("memory_fraction", self.memory_fraction)
         check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -101,6 +112,14 @@ class EngineConfig:
         check_positive("replica_cooldown_s", self.replica_cooldown_s)
         check_int("max_waiting_requests", self.max_waiting_requests, 1)
         check_positive("start_timeout_s", self.start_timeout_s)
+        check_bool("enforce_eager", self.enforce_eager)
+        sizes = self.graph_sizes
+        if sizes is not None:
+            if (not isinstance(sizes, (list, tuple)) or not sizes
+                    or not all(is_int(n) and 1 <= n <= self.max_num_seqs for n in sizes)):
+                raise ValueError(f"graph_sizes must be batch sizes in [1, max_num_seqs={self.max_num_seqs}] "
+                                 f"or None, got {sizes!r}")
+            self.graph_sizes = sorted(set(sizes))
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -124,6 +143,7 @@ class EngineConfig:
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, device_outputs=device_outputs_enabled(self.device_outputs),
             seed=self.seed + replica_index, num_threads=num_threads if self.device == "cpu" else None,
+            enforce_eager=self.enforce_eager, graph_sizes=None if self.graph_sizes is None else tuple(self.graph_sizes),
         )
 
     def scheduler_config(self, *, num_blocks: int, max_model_len: int) -> SchedulerConfig:

@@ -21,7 +21,9 @@ import time
 import torch
 
 from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, StepResult, WorkerSampling
+from workers.block_sizes import check_npu_block_size
 from workers.device import compute_dtype, num_kv_blocks, set_cpu_threads, synchronize, torch_device
+from workers.graphs import DecodeGraphs, check_graph_sizes, default_graph_sizes, graph_device_for
 from workers.kv_cache import KVCache
 from workers.loader import (
     bundled_model_path,
@@ -94,6 +96,8 @@ class ModelRunner:
         mc = model.config
         self.vocab_size = min(mc.vocab_size, tokenizer_size or mc.vocab_size)  # the real vocab
         self.ops = get_op_table(self.device, config.ops)
+        if self.ops.name == "npu":
+            check_npu_block_size(config.block_size)  # the fused kernels refuse other sizes
         with torch.no_grad():
             self.model.prepare(self.ops, logits_rows=self.vocab_size)  # weights fused / packed once
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
@@ -111,7 +115,11 @@ class ModelRunner:
                 self.device, bytes_per_block=bytes_per_block, memory_fraction=config.memory_fraction,
                 cpu_blocks=config.num_kv_blocks or DEFAULT_CPU_BLOCKS)
         self.num_kv_blocks = parallel.all_reduce_min(self.num_kv_blocks)  # one block table serves every rank
-        self.kv_cache = KVCache(num_layers=mc.num_hidden_layers, num_blocks=self.num_kv_blocks,
+        # no captured graphs under TP: collectives stay outside graph capture
+        graph_device = None if config.enforce_eager or parallel.enabled else graph_device_for(self.device)
+        use_graphs = graph_device is not None and getattr(self.ops.attention, "supports_graphs", False)
+        # with graphs, one more block than the scheduler knows of: the graphs' padding rows write there
+        self.kv_cache = KVCache(num_layers=mc.num_hidden_layers, num_blocks=self.num_kv_blocks + use_graphs,
                                 block_size=config.block_size, num_kv_heads=kv_heads,
                                 head_dim=mc.head_dim, dtype=model.dtype, device=self.device)
         self.slots = SlotTable(max_num_seqs=config.max_num_seqs, num_blocks=self.num_kv_blocks,
@@ -125,6 +133,15 @@ class ModelRunner:
         self.device_outputs = device_outputs_enabled(config.device_outputs)
         self.num_steps = 0
         self.num_tokens = 0
+        self.graphs: DecodeGraphs | None = None
+        if use_graphs:
+            sizes = (default_graph_sizes(config.max_num_seqs) if config.graph_sizes is None
+                     else check_graph_sizes(config.graph_sizes, config.max_num_seqs))
+            self.graphs = DecodeGraphs(
+                model=self.model, attention=self.ops.attention, kv_cache=self.kv_cache, outputs=self.outputs,
+                sizes=sizes, max_blocks=-(-self.max_model_len // config.block_size), pad_block=self.num_kv_blocks,
+                vocab_size=self.vocab_size, graph_device=graph_device)
+            self.graphs.capture()  # logs the capture time and memory
 
     # -- one step -----------------------------------------------------------------------
 
@@ -160,17 +177,24 @@ class ModelRunner:
                                    staging=self.staging, sampling_ints=list(upload.ints.values()) if upload else (),
                                    sampling_floats=list(upload.floats.values()) if upload else ())
         batch = self.slot_sampling.finish(upload, inputs.sampling_ints, inputs.sampling_floats) if upload else None
-        hidden_in = self.outputs.get_rows("next_hidden", inputs.num_tokens, (mc.hidden_size,), self.model.dtype)
-        self.model.embed(inputs.input_ids, out=hidden_in)  # [T, hidden]
-        hidden = self.model(hidden_in, inputs.positions, self.kv_cache, inputs.attn)  # [T, hidden]
-        if inputs.logits_indices is not None:
-            hidden = hidden.index_select(0, inputs.logits_indices)  # [B, hidden]
         b = len(inputs.slots)
         result.slots = inputs.slots
-        if b == 0:
-            return
-        logits = self.outputs.get_rows("logits", b, (self.vocab_size,), torch.float32)
-        logits = self.model.compute_logits(hidden, out=logits)  # [B, V]; None on TP ranks > 0
+        attn, t = inputs.attn, inputs.num_tokens
+        if (self.graphs is not None and attn.num_decode == attn.num_seqs == t == b
+                and self.graphs.bucket_for(t) is not None):  # decode only: replay a captured step
+            logits = self.graphs.run(inputs.input_ids, inputs.positions, attn)  # [B, V]
+            if inputs.logits_indices is not None:
+                logits = logits.index_select(0, inputs.logits_indices)
+        else:
+            hidden_in = self.outputs.get_rows("next_hidden", t, (mc.hidden_size,), self.model.dtype)
+            self.model.embed(inputs.input_ids, out=hidden_in)  # [T, hidden]
+            hidden = self.model(hidden_in, inputs.positions, self.kv_cache, attn)  # [T, hidden]
+            if inputs.logits_indices is not None:
+                hidden = hidden.index_select(0, inputs.logits_indices)  # [B, hidden]
+            if b == 0:
+                return
+            logits = self.outputs.get_rows("logits", b, (self.vocab_size,), torch.float32)
+            logits = self.model.compute_logits(hidden, out=logits)  # [B, V]; None on TP ranks > 0
         if not self.device_outputs:
             if logits is not None:
                 result.logits, result.logits_shape, result.logits_dtype = encode_logits(logits, self.vocab_size)
@@ -236,9 +260,13 @@ class ModelRunner:
             "collective_s": self.parallel.collective_s,
             "collectives": self.parallel.num_collectives,
             "ops": self.ops.describe(),
+            "decode_graphs": None if self.graphs is None else {
+                "sizes": list(self.graphs.sizes), "capture_s": self.graphs.report.seconds,
+                "capture_bytes": self.graphs.report.memory_bytes, "replays": self.graphs.num_replays},
         }
 
     def close(self) -> None:
+        self.graphs = None  # the graphs' memory pool goes with them
         self.slots.clear()
         self.sampler.close()
         self.outputs.close()

@@ -66,3 +66,5 @@ class RunnerConfig:
     seed: int = 0  # for unseeded sampling
     num_threads: int | None = None  # torch.set_num_threads on the CPU when given
     ops: str | None = None  # op table: "reference" | "cpu" | "cuda" | "npu"; None -> RAYLM_OPS or the device's own
+    enforce_eager: bool = False  # True: no decode graphs on accelerators (workers/graphs.py)
+    graph_sizes: tuple[int, ...] | None = None  # decode graph buckets; None -> powers of two up to max_num_seqs

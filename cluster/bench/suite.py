@@ -166,7 +166,7 @@ class Bench:
         if peer is None:
             log_path = os.path.join(os.path.dirname(a.json or "") or ".", "vllm-peer.log")
             peer = VLLMPeer(self.model_spec, dtype=peer_dtype(a.vllm_dtype), max_num_seqs=run.spec.batch_size,
-                            max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
+                            max_num_batched_tokens=a.max_num_batched_tokens, block_size=None,
                             threads=run.spec.threads, venv=a.peers_venv, log_path=log_path)
             log.info("vLLM %s (%s) up in %.1fs; its log: %s", peer.version, peer.dtype, peer.launch_s, log_path)
             self.peers[run.spec.batch_size] = peer

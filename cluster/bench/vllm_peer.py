@@ -72,7 +72,7 @@ class VLLMPeer:
     """One vLLM engine in a subprocess for the life of the object; `run` may be called repeatedly."""
 
     def __init__(self, checkpoint: str, *, dtype: str, max_num_seqs: int, max_num_batched_tokens: int,
-                 block_size: int, threads: int, kv_space_gib: int = 4, venv: str | None = None,
+                 block_size: int | None, threads: int, kv_space_gib: int = 4, venv: str | None = None,
                  max_model_len: int | None = None, log_path: str | None = None) -> None:
         env = dict(os.environ)
         env.update(VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
@@ -148,9 +148,10 @@ def serve_requests() -> None:
     kwargs = {}
     if config.get("max_model_len"):
         kwargs["max_model_len"] = config["max_model_len"]
+    if config.get("block_size"):  # None: vLLM's own (its CPU attention takes multiples of 32 here)
+        kwargs["block_size"] = config["block_size"]
     llm = LLM(model=config["model"], dtype=config["dtype"], max_num_seqs=config["max_num_seqs"],
-              max_num_batched_tokens=config["max_num_batched_tokens"], block_size=config["block_size"],
-              enable_prefix_caching=True, seed=0, **kwargs)
+              max_num_batched_tokens=config["max_num_batched_tokens"], enable_prefix_caching=True, seed=0, **kwargs)
     vocab = llm.llm_engine.model_config.get_vocab_size()
     rng = random.Random(12345)
     warm = [TokensPrompt(prompt_token_ids=[rng.randrange(vocab) for _ in range(24)]) for _ in range(2)]

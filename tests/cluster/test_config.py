@@ -19,11 +19,22 @@ from workers.runner_config import ENV_DEVICE_OUTPUTS, RunnerConfig
     ("pipeline_depth", True), ("device_outputs", "yes"), ("threads_per_worker", 0), ("seed", -1),
     ("accelerator_resource", ""), ("step_timeout_s", 0), ("step_timeout_s", float("inf")),
     ("max_worker_restarts", -1), ("max_waiting_requests", 0), ("start_timeout_s", -1.0), ("model", ""),
+    ("enforce_eager", 1), ("graph_sizes", []), ("graph_sizes", [0, 4]), ("graph_sizes", [65]), ("graph_sizes", 8),
 ])
 def test_bad_values_raise_naming_the_field_and_the_value(field, value):
     with pytest.raises(ValueError, match=field) as err:
         EngineConfig(**{field: value})
     assert repr(value) in str(err.value)
+
+
+def test_block_size_defaults_to_what_each_device_takes():
+    assert EngineConfig(device="npu").block_size == 128  # the NPU's fused kernels
+    assert EngineConfig(device="cuda").block_size == EngineConfig().block_size == 16
+    assert EngineConfig(device="npu", block_size=64).block_size == 64
+    for bad in (8, 24, 256):
+        with pytest.raises(ValueError, match=f"block_size must be a multiple of 16.*got {bad}"):
+            EngineConfig(device="npu", block_size=bad)
+    assert EngineConfig(device="cpu", block_size=8).block_size == 8  # the CPU takes any size
 
 
 def test_dtype_aliases_resolve_to_one_name():
@@ -36,11 +47,11 @@ def test_every_runner_and_scheduler_setting_comes_from_the_engine_config(monkeyp
     monkeypatch.delenv(ENV_DEVICE_OUTPUTS, raising=False)
     cfg = EngineConfig(device="cpu", dtype="bf16", block_size=8, num_kv_blocks=40, memory_fraction=0.5,
                        max_num_seqs=7, max_num_batched_tokens=99, max_model_len=300, enable_prefix_caching=False,
-                       seed=5, device_outputs=False)
+                       seed=5, device_outputs=False, enforce_eager=True, graph_sizes=[4, 1, 4])
     rc = cfg.runner_config(2, model_path="/m", num_threads=3)
     assert rc == RunnerConfig(model="/m", device="cpu", dtype="bfloat16", block_size=8, num_kv_blocks=40,
                               memory_fraction=0.5, max_num_seqs=7, max_num_batched_tokens=99, max_model_len=300,
-                              device_outputs=False, seed=7, num_threads=3)
+                              device_outputs=False, seed=7, num_threads=3, enforce_eager=True, graph_sizes=(1, 4))
     sc = cfg.scheduler_config(num_blocks=40, max_model_len=300)
     assert sc == SchedulerConfig(num_blocks=40, block_size=8, max_num_seqs=7, max_num_batched_tokens=99,
                                  max_model_len=300, enable_prefix_caching=False)

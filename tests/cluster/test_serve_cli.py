@@ -105,3 +105,14 @@ def test_accelerator_resource_flag_reaches_the_engine_config():
     with pytest.raises(ValueError, match="accelerator_resource"):
         cluster.EngineConfig.from_kwargs(**_engine_kwargs(build_parser().parse_args(
             ["serve", "--accelerator-resource", ""])))
+
+
+def test_graph_flags_reach_the_engine_config():
+    import cluster
+    from cluster.cli import _engine_kwargs
+
+    a = build_parser().parse_args(["serve", "--device", "npu", "--enforce-eager", "--graph-sizes", "8,1,2"])
+    cfg = cluster.EngineConfig.from_kwargs(**_engine_kwargs(a))
+    assert (cfg.enforce_eager, cfg.graph_sizes, cfg.block_size) == (True, [1, 2, 8], 128)
+    cfg = cluster.EngineConfig.from_kwargs(**_engine_kwargs(build_parser().parse_args(["serve"])))
+    assert (cfg.enforce_eager, cfg.graph_sizes) == (False, None)

@@ -11,7 +11,6 @@ its sessions get, so that the cluster stays apart from other Ray users of this m
   - a PID namespace of their own (`unshare`): `ray stop` run there (Ray's way to stop a
     node, which kills every Ray process it can see) sees only this cluster's processes,
     and stopping sshd ends every process of the cluster with it.
-  - a longer wait for each raylet's dashboard agent (RAY_agent_register_timeout_ms).
 The SSH user's home is the real one (sshd takes it from passwd, and so does ssh for
 `-i ~/...`): `ray up` leaves ray_bootstrap_config.yaml and ray_bootstrap_key.pem there,
 which the test removes.
@@ -114,10 +113,7 @@ class LoopbackSshd:
             "StrictModes no",  # the key files live in a temp dir, not ~/.ssh
             "MaxStartups 64",  # ray up and the head's autoscaler open several at once
             "MaxSessions 64",
-            # RAY_agent_register_timeout_ms: on a loaded machine (two raylets, other users) the
-            # dashboard agent can take longer than Ray's default to report its ports, and the
-            # raylet then aborts (NodeManager::WaitForDashboardAgentPorts).
-            f"SetEnv RAY_TMPDIR={self.ray_tmpdir} RAY_AUTH_MODE=disabled RAY_agent_register_timeout_ms=180000",
+            f"SetEnv RAY_TMPDIR={self.ray_tmpdir} RAY_AUTH_MODE=disabled",
             "LogLevel VERBOSE",
         ]
         self.config.write_text("\n".join(lines) + "\n")
@@ -159,6 +155,13 @@ class LoopbackSshd:
             if cmd and not cmd.startswith("sshd"):
                 out.append((pid, cmd))
         return out
+
+    def kill_cluster_processes(self) -> list[int]:
+        """What `ray stop` does on the nodes, by pid (SIGKILL): every process there but sshd."""
+        pids = [pid for pid, _ in self.cluster_processes()]
+        for pid in pids:
+            _signal(pid, signal.SIGKILL)
+        return pids
 
     def stop(self) -> list[int]:
         """Ends sshd's namespace, so every process in it; returns pids still alive after."""

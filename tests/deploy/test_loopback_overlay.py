@@ -30,7 +30,8 @@ _spec.loader.exec_module(overlay)
 # overlay's comments; everything else (resources, --head, --port, the autoscaling config)
 # must stay as shipped.
 LOOPBACK_ONLY = {"node_ip_address", "dashboard_host", "dashboard_port", "ray_client_server_port",
-                 "dashboard_agent_listen_port", "object_store_memory"}
+                 "dashboard_agent_listen_port", "dashboard_agent_grpc_port", "metrics_export_port",
+                 "runtime_env_agent_port", "object_store_memory"}
 
 
 def render(**sets) -> dict:

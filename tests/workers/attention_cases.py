@@ -1,19 +1,21 @@
-"""Seeded mixed attention batches over a paged KV cache, and a plain-torch oracle.
+"""Seeded mixed attention batches over a paged KV cache, and the reference answer.
 
 A case is `num_decode` decode rows followed by prefill chunks, each chunk with a cached
-prefix (possibly empty); every sequence gets distinct, shuffled blocks. `oracle_attention`
-is written from the contract in workers/ops/base.py (causal within each sequence, cached
-keys before new ones), independently of every backend.
+prefix (possibly empty); every sequence gets distinct, shuffled blocks. `reference_run`
+answers a case with the reference table (itself tested against dense attention in
+tests/test_ops.py), in float32.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from workers.kv_cache import KVCache
 from workers.ops.base import AttentionMetadata
+from workers.ops.reference import ReferenceOps
 
 # (decode row context lengths, prefill chunks as (cached, new))
 MIXED_BATCHES = [
@@ -68,35 +70,20 @@ def make_case(*, seed: int, block_size: int, decode_lens: list[int], chunks: lis
                 cache=cache)
 
 
-def clone_cache(cache: KVCache) -> KVCache:
+def clone_cache(cache: KVCache, dtype: torch.dtype | None = None) -> KVCache:
     c = KVCache(num_layers=cache.num_layers, num_blocks=cache.num_blocks, block_size=cache.block_size,
-                num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim, dtype=cache.data.dtype)
+                num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim, dtype=dtype or cache.data.dtype,
+                device=cache.data.device)
     c.data.copy_(cache.data)
     return c
 
 
-def oracle_write(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-    slots = meta.slot_mapping
-    cache.key(layer)[slots // cache.block_size, slots % cache.block_size] = k
-    cache.value(layer)[slots // cache.block_size, slots % cache.block_size] = v
-
-
-def oracle_attention(q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata) -> torch.Tensor:
-    """q [T, H, D] over the cache (this step's K/V already written) -> [T, H * D], fp32 math."""
-    t, heads, dim = q.shape
-    out = torch.zeros(t, heads, dim)
-    bs = cache.block_size
-    qsl = meta.query_start_loc.tolist()
-    for i, kv_len in enumerate(meta.seq_lens.tolist()):
-        start, end = qsl[i], qsl[i + 1]
-        pos = torch.arange(kv_len)
-        blocks = meta.block_tables[i].long()[pos // bs]
-        keys = cache.key(layer)[blocks, pos % bs].float()  # [kv, KVH, D]
-        vals = cache.value(layer)[blocks, pos % bs].float()
-        group = heads // keys.shape[1]
-        keys, vals = keys.repeat_interleave(group, 1), vals.repeat_interleave(group, 1)
-        q_pos = kv_len - (end - start) + torch.arange(end - start)  # each query's position in its sequence
-        s = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * dim ** -0.5
-        s = s.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", s.softmax(-1), vals)
-    return out.reshape(t, heads * dim)
+def reference_run(case: Case) -> tuple[torch.Tensor, KVCache]:
+    """The reference table's attention (workers/ops/reference.py) on copies: K/V written in the
+    case's dtype (the cache to compare with), attention computed in float32 -> [T, H * D]."""
+    ref = ReferenceOps().attention
+    cache = clone_cache(case.cache)
+    ref.write_kv(cache, 0, case.k, case.v, dataclasses.replace(case.meta, extra={}))
+    meta = ref.prepare(dataclasses.replace(case.meta, extra={}))
+    out = ref.forward(case.q.float(), case.k.float(), case.v.float(), clone_cache(cache, torch.float32), 0, meta)
+    return out, cache

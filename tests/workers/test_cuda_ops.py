@@ -1,6 +1,6 @@
 """The CUDA op table: FlashInfer's wrappers through their emulation on the CPU, the SDPA
 fallback (no FlashInfer, or float32) on the CPU, and the real thing where a GPU is present
-(marked `cuda`). Every path against the oracle on the same seeded mixed batches."""
+(marked `cuda`). Every path against the reference on the same seeded mixed batches."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.workers import flashinfer_emulation
-from tests.workers.attention_cases import MIXED_BATCHES, clone_cache, make_case, oracle_attention, oracle_write
-from workers.ops.cuda import CudaAttentionBackend, CudaOpTable, flashinfer
+from tests.workers.attention_cases import MIXED_BATCHES, clone_cache, make_case, reference_run
+from workers.ops.cuda import CudaAttentionBackend, flashinfer
 
 CASES = [(0, 16), (1, 128), (2, 16), (3, 128), (0, 1), (3, 5)]  # (batch, block size): FlashInfer takes any
 
@@ -19,16 +19,14 @@ def _check(backend, case, tol=2e-2):
     meta = backend.prepare(case.meta)
     backend.write_kv(cache, 0, case.k, case.v, meta)
     out = backend.forward(case.q, case.k, case.v, cache, 0, meta)
-    want_cache = clone_cache(case.cache)
-    oracle_write(want_cache, 0, case.k, case.v, case.meta)
+    want, want_cache = reference_run(case)
     assert torch.equal(cache.data, want_cache.data)
-    torch.testing.assert_close(out.float().cpu(), oracle_attention(case.q.cpu(), want_cache, 0, case.meta),
-                               atol=tol, rtol=tol)
+    torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
     return meta
 
 
 @pytest.mark.parametrize("batch,block_size", CASES)
-def test_flashinfer_path_matches_oracle(monkeypatch, batch, block_size):
+def test_flashinfer_path_matches_reference(monkeypatch, batch, block_size):
     flashinfer_emulation.install(monkeypatch)
     decode, chunks = MIXED_BATCHES[batch]
     case = make_case(seed=batch + block_size, block_size=block_size, decode_lens=decode, chunks=chunks)
@@ -38,8 +36,8 @@ def test_flashinfer_path_matches_oracle(monkeypatch, batch, block_size):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("batch,block_size", CASES[::2])
-def test_sdpa_fallback_matches_oracle(monkeypatch, batch, block_size, dtype):
+@pytest.mark.parametrize("batch,block_size", CASES[::3])
+def test_sdpa_fallback_matches_reference(monkeypatch, batch, block_size, dtype):
     flashinfer_emulation.uninstall(monkeypatch)
     decode, chunks = MIXED_BATCHES[batch]
     case = make_case(seed=batch * 7 + block_size, block_size=block_size, decode_lens=decode, chunks=chunks,
@@ -56,25 +54,15 @@ def test_float32_falls_back_even_with_flashinfer(monkeypatch):
     assert "fi_wrapper" not in meta.extra
 
 
-def test_elementwise_ops_match_the_definition():
-    g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(5, 64, generator=g), torch.rand(64, generator=g) + 0.5
-    table = CudaOpTable.__new__(CudaOpTable)  # elementwise ops need no attention backend
-    torch.testing.assert_close(table.rms_norm(x, w, 1e-6), x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * w)
-    torch.testing.assert_close(table.silu_and_mul(x), torch.nn.functional.silu(x[:, :32]) * x[:, 32:])
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or flashinfer() is None, reason="needs a CUDA GPU and FlashInfer")
 @pytest.mark.parametrize("batch,block_size", CASES)
-def test_real_flashinfer_matches_oracle(batch, block_size):
+def test_real_flashinfer_matches_reference(batch, block_size):
     import dataclasses
 
     decode, chunks = MIXED_BATCHES[batch]
     case = make_case(seed=batch, block_size=block_size, decode_lens=decode, chunks=chunks, head_dim=128)
-    want_cache = clone_cache(case.cache)
-    oracle_write(want_cache, 0, case.k, case.v, case.meta)
-    want = oracle_attention(case.q, want_cache, 0, case.meta)
+    want, want_cache = reference_run(case)
     cache = clone_cache(case.cache)
     cache.data = cache.data.cuda()
     meta = dataclasses.replace(case.meta, extra={}, **{f: getattr(case.meta, f).cuda() for f in (

@@ -10,8 +10,8 @@
   with use_cuda_graph=True over static buffers; `update_graph` re-plans it before a
   replay, which rewrites those buffers.
 - Without FlashInfer, or in float32 (FlashInfer takes float16 / bfloat16), attention
-  falls back to one batched SDPA over the gathered blocks; decode graphs need FlashInfer.
-- Elementwise ops are plain torch (what the reference defines).
+  falls back to the reference's gather + SDPA; decode graphs need FlashInfer.
+- Elementwise ops and GEMMs are the reference's (plain torch: cuBLAS on a GPU).
 
 flashinfer is imported on first use. Tested on the CPU through an emulation of the two
 wrappers (tests/workers/flashinfer_emulation.py); never run on a CUDA device yet.
@@ -22,9 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from workers.ops.base import AttentionBackend, AttentionMetadata, OpTable
+from workers.ops.base import AttentionBackend, AttentionMetadata
+from workers.ops.reference import GatherSDPAAttention, ReferenceOps
 
 WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommended float workspace
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
@@ -77,6 +77,7 @@ class CudaAttentionBackend(AttentionBackend):
         self._fi = flashinfer()
         self._workspace: torch.Tensor | None = None
         self._decode = self._prefill = None
+        self._fallback = GatherSDPAAttention()
 
     @property
     def supports_graphs(self) -> bool:
@@ -125,8 +126,10 @@ class CudaAttentionBackend(AttentionBackend):
         graph = meta.extra.get("graph")
         if isinstance(graph, CudaGraphState):
             return graph.wrapper.run(q.contiguous(), (key_cache, value_cache)).view(t, heads * dim)
-        if self._fi is None or q.dtype not in FLASHINFER_DTYPES:
-            return sdpa_paged_attention(q, key_cache, value_cache, meta)
+        if self._fi is None or q.dtype not in FLASHINFER_DTYPES:  # the reference's gather + SDPA
+            if "chunks" not in meta.extra:
+                self._fallback.prepare(meta)  # once per step, at the first layer
+            return self._fallback.forward(q, k, v, kv_cache, layer, meta)
         meta.extra["fi_kv_heads"] = k.shape[1]
         wrapper = self._plan(meta, q, key_cache.dtype)
         return wrapper.run(q.contiguous(), (key_cache, value_cache)).view(t, heads * dim)
@@ -156,50 +159,10 @@ class CudaAttentionBackend(AttentionBackend):
                            kv_data_type=dtype, sm_scale=dim ** -0.5)
 
 
-def sdpa_paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                         meta: AttentionMetadata) -> torch.Tensor:
-    """The fallback: every sequence's keys gathered into [B, max_kv] and one masked SDPA.
+class CudaOpTable(ReferenceOps):
+    """The reference's elementwise ops and GEMMs (cuBLAS already), FlashInfer's attention."""
 
-    q [T, H, D] -> [T, H * D]. Padded query rows attend key 0 (so no row is all masked)
-    and are dropped."""
-    t, heads, dim = q.shape
-    bs, dev = meta.block_size, q.device
-    b, max_q, max_kv = meta.num_seqs, meta.max_query_len, meta.max_seq_len
-    kv_heads = key_cache.shape[2]
-    pos = torch.arange(max_kv, device=dev)
-    blocks = meta.block_tables.long().gather(1, (pos // bs).clamp(max=meta.block_tables.shape[1] - 1)
-                                             .expand(b, -1))  # [B, max_kv]
-    slots = blocks * bs + pos % bs
-    keys = key_cache.reshape(-1, kv_heads, dim)[slots]  # [B, max_kv, KVH, D]
-    vals = value_cache.reshape(-1, kv_heads, dim)[slots]
-    q_lens = torch.tensor(meta.query_lens_host, device=dev)
-    starts = meta.query_start_loc[:-1].long()
-    i = torch.arange(max_q, device=dev)
-    valid = i[None, :] < q_lens[:, None]  # [B, max_q]
-    rows = torch.where(valid, starts[:, None] + i[None, :], 0)  # [B, max_q] rows of q
-    q_pos = meta.seq_lens.long()[:, None] - q_lens[:, None] + i[None, :]  # each query's position
-    mask = (pos[None, None, :] <= q_pos[:, :, None]) | (pos[None, None, :] == 0)  # [B, max_q, max_kv]
-    o = F.scaled_dot_product_attention(q[rows].transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
-                                       attn_mask=mask[:, None], scale=dim ** -0.5, enable_gqa=True)  # [B, H, max_q, D]
-    return o.transpose(1, 2)[valid].reshape(t, heads * dim)
-
-
-class CudaOpTable(OpTable):
     name = "cuda"
 
     def __init__(self) -> None:
         self.attention = CudaAttentionBackend()
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        h = x.to(torch.float32)
-        return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-    def apply_rotary(self, q, k, cos, sin):
-        def rope(x):
-            half = x.shape[-1] // 2
-            return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None]
-        return rope(q), rope(k)
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return F.silu(x[:, :half]) * x[:, half:]
