@@ -85,9 +85,9 @@ class EngineConfig:
         if self.dtype is not None:
             self.dtype = canonical_dtype(self.dtype)
         check_int("num_replicas", self.num_replicas, 1)
-        check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.block_size is None:
             self.block_size = default_block_size(self.device)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         check_int("block_size", self.block_size, 1)
         if self.device == "npu":
             check_npu_block_size(self.block_size)

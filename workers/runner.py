@@ -115,6 +115,7 @@ class ModelRunner:
                 self.device, bytes_per_block=bytes_per_block, memory_fraction=config.memory_fraction,
                 cpu_blocks=config.num_kv_blocks or DEFAULT_CPU_BLOCKS)
         self.num_kv_blocks = parallel.all_reduce_min(self.num_kv_blocks)  # one block table serves every rank
+        # no captured graphs under TP: collectives stay outside graph capture
         graph_device = None if config.enforce_eager or parallel.enabled else graph_device_for(self.device)
         use_graphs = graph_device is not None and getattr(self.ops.attention, "supports_graphs", False)
         # with graphs, one more block than the scheduler knows of: the graphs' padding rows write there
@@ -180,7 +181,7 @@ class ModelRunner:
         result.slots = inputs.slots
         attn, t = inputs.attn, inputs.num_tokens
         if (self.graphs is not None and attn.num_decode == attn.num_seqs == t == b
-                and self.graphs.bucket_for(t) is not None):  # decode only: replay a captured step (never under TP)
+                and self.graphs.bucket_for(t) is not None):  # decode only: replay a captured step
             logits = self.graphs.run(inputs.input_ids, inputs.positions, attn)  # [B, V]
             if inputs.logits_indices is not None:
                 logits = logits.index_select(0, inputs.logits_indices)
