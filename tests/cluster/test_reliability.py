@@ -107,7 +107,7 @@ def test_after_the_restart_budget_requests_fail_and_other_replicas_serve(ray_ses
             time.sleep(0.01)
         ray_session.kill(rep0.worker, no_restart=True)
         outs = [s.result() for s in streams]
-        after = llm.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0))
+        after = llm.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         stats = llm.stats()
     failed = [o for o in outs if o.finish_reason == "error"]
     assert failed and all("failed" in o.error for o in failed)
