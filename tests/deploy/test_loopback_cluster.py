@@ -245,9 +245,14 @@ def test_ray_up_joins_both_nodes_serves_a_completion_and_ray_down(loopback):
         assert "2.0/16.0 NPU" in status.stdout, _tail(status)
         timings["checked"] = time.monotonic() - t0
     finally:
-        if serve is not None and serve.poll() is None:
-            serve.terminate()
-            serve.wait(10)
+        if serve is not None:
+            # Ctrl-C on the head, as a user stops `raylm serve`: ending the local `ray exec`
+            # (its ssh client) does not reach the remote process.
+            loopback.run([BIN / "ray", "exec", cfg, f"pkill -INT -f '[r]aylm serve .*--port {port}' || true"],
+                         timeout=60)
+            if serve.poll() is None:
+                serve.terminate()
+                serve.wait(10)
         # As the README's one-machine steps: Ray's `ray stop` on the head first (ray down runs
         # it too, but in a login shell, where the venv's `ray` is not on PATH), then ray down.
         stop = loopback.run([BIN / "ray", "exec", cfg, f"source {venv}/bin/activate && ray stop"], timeout=120)
@@ -259,7 +264,7 @@ def test_ray_up_joins_both_nodes_serves_a_completion_and_ray_down(loopback):
     assert down.returncode == 0, _tail(down)
     assert "No nodes remaining" in down.stdout + down.stderr, _tail(down)
     # `ray stop` on the head of this one machine stopped both nodes' Ray.
-    leftover = _poll_empty(loopback.sshd.cluster_processes, timeout=30)
+    leftover = _poll_empty(loopback.sshd.cluster_processes, timeout=60)
     assert not leftover, f"still running on the nodes after ray stop + ray down: {leftover}"
 
 
