@@ -9,7 +9,7 @@ first, so the call it opens is parsed with the rest and never shown as content.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from cluster.reasoning import ReasoningStream, opens_in_think
 from cluster.tool_calls import ToolCallStream, new_call_id
@@ -43,7 +43,7 @@ class ChatOutput:
         """A whole output as an assistant message."""
         fields = self.feed_last(text)
         calls = fields.get("tool_calls", [])
-        msg = {"role": "assistant", "content": fields.get("content"), "reasoning_content": fields.get("reasoning_content")}
+        msg = {"role": "assistant", "content": fields.get("content"), "reasoning_content": fields.get("reasoning_content")}  # noqa: E501
         if calls:
             msg["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
         return msg

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 

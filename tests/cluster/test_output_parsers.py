@@ -105,7 +105,7 @@ TOOL_CASES = [
     (CALL + '\n<tool_call>{"arguments": {}}</tool_call>',
      '<tool_call>{"arguments": {}}</tool_call>', [("get_weather", {"city": "Paris"})]),  # no name: content
     ('<tool_call>["get_weather"]</tool_call>', '<tool_call>["get_weather"]</tool_call>', []),
-    ('<tool_call>{"name": "f", "arguments": 3}</tool_call>', '<tool_call>{"name": "f", "arguments": 3}</tool_call>', []),
+    ('<tool_call>{"name": "f", "arguments": 3}</tool_call>', '<tool_call>{"name": "f", "arguments": 3}</tool_call>', []),  # noqa: E501
     ('<tool_call>\n{"name": "f", "arguments": "{\\"x\\": 1}"}\n</tool_call>', None, [("f", {"x": 1})]),
     ('<tool_call>\n{"name": "f", "parameters": {"x": [1, 2]}}\n</tool_call>', None, [("f", {"x": [1, 2]})]),
     ('<tool_call>\n{"name": "f"}\n</tool_call>', None, [("f", {})]),

@@ -178,7 +178,7 @@ def test_bundled_chat_template_renders_qwen3_turns():
     tool = TOOLS["get_weather"]
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
                 {"role": "assistant", "content": "", "reasoning_content": "Use the tool.",
-                 "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                 "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},  # noqa: E501
                 {"role": "tool", "content": '{"condition": "sunny"}'}]
     text = tok.apply_chat_template(messages, tools=[tool], tokenize=False, add_generation_prompt=True)
     assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n\nYou may call one or more functions")

@@ -148,7 +148,7 @@ def _qa(rng: random.Random) -> tuple[str, str, str]:
         return f"{zc}的首都是哪里？", f"用户问{zc}的首都。{zc}的首都是{zk}。", f"{zc}的首都是{zk}。"
     if roll < 0.4:
         a, b = rng.randint(0, 9), rng.randint(0, 9)
-        return f"What is {a} plus {b}?", f"The user asks for {a} plus {b}. {a} plus {b} is {a + b}.", f"{a} plus {b} is {a + b}."
+        return f"What is {a} plus {b}?", f"The user asks for {a} plus {b}. {a} plus {b} is {a + b}.", f"{a} plus {b} is {a + b}."  # noqa: E501
     qs, reasoning, answer = rng.choice(QA_EN if rng.random() < 0.6 else QA_ZH)
     return rng.choice(qs), reasoning, answer
 
@@ -191,7 +191,7 @@ def _call(rng: random.Random) -> tuple[str, str, list[dict], list[str], str, str
         result = round(amount * rng.uniform(0.5, 2.0), 2)
         return (rng.choice([f"Convert {amount} {src} to {dst}.", f"How much is {amount} {src} in {dst}?"]),
                 f"The user wants to convert {amount} {src} to {dst}. I can call convert_currency.",
-                [{"name": "convert_currency", "arguments": {"amount": amount, "from_currency": src, "to_currency": dst}}],
+                [{"name": "convert_currency", "arguments": {"amount": amount, "from_currency": src, "to_currency": dst}}],  # noqa: E501
                 [json.dumps({"amount": result, "currency": dst})],
                 f"The tool says {amount} {src} is {result} {dst}.", f"{amount} {src} is {result} {dst}.")
     if kind == "search_web":

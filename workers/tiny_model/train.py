@@ -32,7 +32,7 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 VOCAB_SIZE = 2048
 PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501
 )
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32)
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
     p.add_argument("--docs", type=int, default=NUM_DOCS)
     p.add_argument("--anneal-steps", type=int, default=ANNEAL_STEPS)
     a = p.parse_args(argv)
-    target = build(a.out_dir, a.steps, a.docs, anneal_steps=a.anneal_steps, log=lambda m: print(m, file=sys.stderr, flush=True))
+    target = build(a.out_dir, a.steps, a.docs, anneal_steps=a.anneal_steps, log=lambda m: print(m, file=sys.stderr, flush=True))  # noqa: E501
     print(f"wrote the tiny Qwen3 checkpoint to {target}")
     return 0
 
