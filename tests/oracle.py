@@ -35,3 +35,13 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int, stop_ids
                     break
             outs.append(y)
     return outs
+
+
+def hf_greedy_text(prompts: list[str], max_new_tokens: int) -> list[list[int]]:
+    """HF's greedy ids for text prompts on the bundled tiny model, stopping at its EOS ids."""
+    from workers.loader import bundled_model_path, eos_token_ids, load_tokenizer
+
+    path = bundled_model_path()
+    tok = load_tokenizer(path)
+    ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
+    return hf_greedy(path, ids, max_new_tokens, stop_ids=frozenset(eos_token_ids(path)))

@@ -14,8 +14,7 @@ import cluster
 from cluster import EngineOverloadedError, SamplingParams
 from scheduler.protocol import ProtocolError, StepPlan, StepResult
 from tests.cluster.faults import arm_fault
-from tests.oracle import hf_greedy
-from workers.loader import bundled_model_path, eos_token_ids, load_tokenizer
+from tests.oracle import hf_greedy_text
 
 pytestmark = pytest.mark.ray
 
@@ -26,10 +25,7 @@ N = 20
 
 @pytest.fixture(scope="module")
 def expected():
-    path = bundled_model_path()
-    tok = load_tokenizer(path)
-    ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
-    return hf_greedy(path, ids, N, stop_ids=frozenset(eos_token_ids(path)))
+    return hf_greedy_text(PROMPTS, N)
 
 
 def _generate_in_background(llm, prompts, params):

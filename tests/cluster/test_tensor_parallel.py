@@ -16,8 +16,8 @@ import pytest
 
 import cluster
 from cluster import SamplingParams
-from tests.oracle import hf_greedy
-from workers.loader import bundled_model_path, eos_token_ids, load_tokenizer
+from tests.oracle import hf_greedy, hf_greedy_text
+from workers.loader import bundled_model_path, load_tokenizer
 
 pytestmark = pytest.mark.ray
 
@@ -29,10 +29,7 @@ SEEDED = SamplingParams(max_tokens=N, temperature=1.0, top_k=50, seed=99)
 
 @pytest.fixture(scope="module")
 def expected():
-    path = bundled_model_path()
-    tok = load_tokenizer(path)
-    ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
-    return hf_greedy(path, ids, N, stop_ids=frozenset(eos_token_ids(path)))
+    return hf_greedy_text(PROMPTS, N)
 
 
 def _wait_for_tokens(llm, n, timeout=120):
