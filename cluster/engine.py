@@ -177,6 +177,9 @@ class Engine:
             raise ValueError(f"prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}")
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
+        bad_bias = [t for t in params.logit_bias or () if t >= self.vocab_size]
+        if bad_bias:
+            raise ValueError(f"logit_bias token id {bad_bias[0]} is outside the vocab [0, {self.vocab_size})")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"max_tokens={params.max_tokens} plus the prompt's {len(ids)} tokens exceeds "

@@ -4,8 +4,10 @@ Bodies are parsed strictly from JSON (a string where a number belongs is an erro
 naming the field); ranges are then checked by SamplingParams, whose errors name the
 field and value. Chat requests may offer tools (tool_choice "none", "auto", "required" or a named function)
 and pass chat_template_kwargs (e.g. {"enable_thinking": false}) to the template; replies
-carry reasoning_content and tool_calls (cluster/chat_output.py). Features raylm does not
-have (n > 1, echo, penalties, logit_bias) are refused with a 400 that says so, never
+carry reasoning_content and tool_calls (cluster/chat_output.py). presence_penalty,
+frequency_penalty, repetition_penalty (a vLLM extension) and logit_bias ({"token id": bias},
+at most MAX_LOGIT_BIAS entries) are applied on the worker's device (workers/penalties.py).
+Features raylm does not have (n > 1, echo) are refused with a 400 that says so, never
 silently ignored."""
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ class _Common(BaseModel):
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict | None = None
+    repetition_penalty: float = 1.0
+    logit_bias: dict | None = None  # {"token id": bias}; SamplingParams checks keys and values
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
@@ -53,12 +56,6 @@ class _Common(BaseModel):
         """The first field asking for something raylm does not do, with its value."""
         if self.n != 1:
             return "n", self.n
-        if self.presence_penalty != 0:
-            return "presence_penalty", self.presence_penalty
-        if self.frequency_penalty != 0:
-            return "frequency_penalty", self.frequency_penalty
-        if self.logit_bias:
-            return "logit_bias", self.logit_bias
         return None
 
     def sampling_params(self, max_tokens_default: int | None, logprobs: int | None) -> SamplingParams:
@@ -67,6 +64,8 @@ class _Common(BaseModel):
             min_tokens=self.min_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
             min_p=self.min_p, seed=self.seed, stop=self.stop, stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
         )
 
     @property

@@ -269,7 +269,9 @@ class Replica:
         from workers.sampler import sample_host
 
         rows = self.scheduler.sampling_rows(result.step_id)
-        ids, logprobs = sample_host(result, rows, self._host_sampler)
+        histories = self.scheduler.sampling_histories(result.step_id) if any(
+            ws.has_penalties for ws, _ in rows) else None
+        ids, logprobs = sample_host(result, rows, self._host_sampler, histories)
         result.token_ids = pack_int32(ids)
         result.logprobs = logprobs
 

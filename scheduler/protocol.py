@@ -39,6 +39,9 @@ from scheduler.checks import check_int, is_int, is_number
 USE_RESIDENT = -1
 PROTOCOL_VERSION = 1
 MAX_LOGPROBS = 20  # top-n logprobs a request may ask for (SamplingParams.logprobs)
+MAX_LOGIT_BIAS = 300  # entries one request's logit_bias may hold (OpenAI's own limit)
+PENALTY_RANGE = 2.0  # presence_penalty and frequency_penalty lie in [-PENALTY_RANGE, PENALTY_RANGE]
+BIAS_RANGE = 100.0  # a logit_bias value lies in [-BIAS_RANGE, BIAS_RANGE]
 
 if array("i").itemsize != 4 or sys.byteorder != "little":  # pragma: no cover
     raise ImportError("raylm's protocol assumes a little-endian platform with 32-bit C ints")
@@ -67,6 +70,36 @@ def check_sampling(p) -> None:
     if p.seed is not None and not is_int(p.seed):
         raise ValueError(f"seed must be an integer or None, got {p.seed!r}")
     check_int("logprobs", p.logprobs, 0, MAX_LOGPROBS, optional=True)
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(p, name)
+        if not is_number(value) or not -PENALTY_RANGE <= value <= PENALTY_RANGE:
+            raise ValueError(f"{name} must be a number in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}], got {value!r}")
+    if not is_number(p.repetition_penalty) or p.repetition_penalty <= 0:
+        raise ValueError(f"repetition_penalty must be a number > 0 (1 disables), got {p.repetition_penalty!r}")
+
+
+def normalize_logit_bias(value) -> dict[int, float] | None:
+    """{token id: bias} from a mapping whose keys are ids, as ints or as decimal strings (JSON
+    object keys are strings); None when empty. ValueError naming logit_bias and the bad entry.
+    Ids are checked against the vocab where it is known (the engine, the worker)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be a mapping of token id to bias, got {value!r:.80}")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(value)}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        if not is_int(token) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+        if not is_number(bias) or not -BIAS_RANGE <= bias <= BIAS_RANGE:
+            raise ValueError(f"logit_bias values must be numbers in [-{BIAS_RANGE:g}, {BIAS_RANGE:g}], "
+                             f"got {bias!r} for token {token}")
+        if token in out:
+            raise ValueError(f"logit_bias names token {token} twice")
+        out[token] = float(bias)
+    return out or None
 
 
 def unpack_int32(data: bytes) -> list[int]:
@@ -83,6 +116,8 @@ class WorkerSampling:
 
     min_tokens is expressed by position: while the sampled token's position is below
     `ban_until`, the ids in `banned_ids` (EOS and stop ids) cannot be sampled.
+    Penalties (workers/penalties.py) count the request's output tokens, and for
+    repetition_penalty its prompt tokens too; logit_bias is (token id, bias) pairs, by id.
     """
 
     temperature: float = 0.0
@@ -93,6 +128,10 @@ class WorkerSampling:
     logprobs: int | None = None
     ban_until: int = 0
     banned_ids: tuple[int, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @classmethod
     def from_params(cls, params, num_prompt_tokens: int, eos_token_ids=()) -> WorkerSampling:
@@ -113,11 +152,25 @@ class WorkerSampling:
             logprobs=params.logprobs,
             ban_until=ban_until,
             banned_ids=banned,
+            presence_penalty=float(params.presence_penalty),
+            frequency_penalty=float(params.frequency_penalty),
+            repetition_penalty=float(params.repetition_penalty),
+            logit_bias=tuple(sorted((params.logit_bias or {}).items())),
         )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether its penalties read the request's token counts."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether anything of workers/penalties.py applies to its rows."""
+        return self.counts_tokens or bool(self.logit_bias)
 
     def check(self) -> None:
         """ValueError naming the field that is out of range (the worker admits nothing else)."""
@@ -125,15 +178,26 @@ class WorkerSampling:
         check_int("ban_until", self.ban_until, 0)
         if not all(is_int(t) and t >= 0 for t in self.banned_ids):
             raise ValueError(f"banned_ids must be non-negative integers, got {self.banned_ids!r}")
+        if not all(isinstance(e, tuple) and len(e) == 2 for e in self.logit_bias):
+            raise ValueError(f"logit_bias must be (token id, bias) pairs, got {self.logit_bias!r:.80}")
+        ids = [t for t, _ in self.logit_bias]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"logit_bias names a token twice: {sorted(ids)!r:.80}")
+        normalize_logit_bias(dict(self.logit_bias))
 
     def _encode(self) -> list:
         return [self.temperature, self.top_k, self.top_p, self.min_p, self.seed,
-                self.logprobs, self.ban_until, list(self.banned_ids)]
+                self.logprobs, self.ban_until, list(self.banned_ids), self.presence_penalty,
+                self.frequency_penalty, self.repetition_penalty, [t for t, _ in self.logit_bias],
+                [b for _, b in self.logit_bias]]
 
     @classmethod
     def _decode(cls, a) -> WorkerSampling:
-        t, k, p, m, seed, lp, until, banned = a
-        return cls(t, k, p, m, seed, lp, until, tuple(banned))
+        t, k, p, m, seed, lp, until, banned, presence, frequency, repetition, bias_ids, biases = a
+        if len(bias_ids) != len(biases):
+            raise ProtocolError(f"logit_bias has {len(bias_ids)} ids but {len(biases)} biases")
+        return cls(t, k, p, m, seed, lp, until, tuple(banned), presence, frequency, repetition,
+                   tuple(zip(bias_ids, biases)))
 
 
 @dataclass
@@ -143,6 +207,7 @@ class NewRequest:
     num_computed: int  # tokens already in the KV cache (prefix-cache hit), a block multiple
     block_table: list[int]  # blocks allocated up to and including this plan's rows
     sampling: WorkerSampling
+    num_prompt: int | None = None  # the leading token_ids that are the prompt (None: all of them)
 
 
 @dataclass
@@ -172,8 +237,8 @@ class StepPlan:
             [
                 PROTOCOL_VERSION,
                 self.step_id,
-                [[n.slot, pack_int32(n.token_ids), n.num_computed, n.block_table, n.sampling._encode()]
-                 for n in self.new_requests],
+                [[n.slot, pack_int32(n.token_ids), n.num_computed, n.block_table, n.sampling._encode(),
+                  n.num_prompt] for n in self.new_requests],
                 [[r.slot, r.num_tokens, r.new_blocks, r.token] for r in self.rows],
                 self.finished,
                 self.preempted,
@@ -189,8 +254,8 @@ class StepPlan:
             return cls(
                 step_id=step_id,
                 new_requests=[
-                    NewRequest(slot, unpack_int32(toks), nc, list(bt), WorkerSampling._decode(s))
-                    for slot, toks, nc, bt, s in new
+                    NewRequest(slot, unpack_int32(toks), nc, list(bt), WorkerSampling._decode(s), n_prompt)
+                    for slot, toks, nc, bt, s, n_prompt in new
                 ],
                 rows=[ScheduledRow(slot, n, list(nb), tok) for slot, n, nb, tok in rows],
                 finished=list(finished),

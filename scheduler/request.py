@@ -7,7 +7,13 @@ import time
 from dataclasses import dataclass, field
 
 from scheduler.checks import check_bool, check_int, is_int
-from scheduler.protocol import MAX_LOGPROBS, WorkerSampling, check_sampling  # noqa: F401  (MAX_LOGPROBS: re-exported)
+from scheduler.protocol import (  # noqa: F401  (MAX_LOGPROBS, MAX_LOGIT_BIAS: re-exported)
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    WorkerSampling,
+    check_sampling,
+    normalize_logit_bias,
+)
 
 
 @dataclass
@@ -18,7 +24,15 @@ class SamplingParams:
     field and the value, e.g. "top_p must be in (0, 1], got 1.5".
     temperature 0 means greedy. top_k -1 (or 0) and top_p 1 disable those filters.
     logprobs None asks for none; n in 0..20 returns the sampled token's logprob plus the
-    n most likely tokens (computed from the model's raw distribution, before filters).
+    n most likely tokens (computed from the model's raw distribution, before filters
+    and penalties).
+    Penalties, as OpenAI and vLLM define them: presence_penalty and frequency_penalty in
+    [-2, 2] lower a token's logit by frequency * count + presence * (count > 0), counting
+    the tokens generated so far; repetition_penalty > 0 (1 disables) divides the positive
+    and multiplies the negative logits of every token seen in the prompt or the output;
+    logit_bias {token id: bias in [-100, 100]} (at most MAX_LOGIT_BIAS entries; keys may
+    be decimal strings, as JSON sends them) is added to the logits first. Greedy rows get
+    them too.
     """
 
     max_tokens: int | None = 16  # None: as many as fit in max_model_len
@@ -33,6 +47,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, 1, optional=True)
@@ -43,6 +61,7 @@ class SamplingParams:
                 f"got {self.min_tokens!r}"
             )
         check_sampling(self)
+        self.logit_bias = normalize_logit_bias(self.logit_bias)
         self.stop = self._normalize_stop(self.stop)
         if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")

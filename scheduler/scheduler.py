@@ -204,7 +204,8 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             insort(self._running, req, key=_arrival)
-            step.new_requests.append(NewRequest(req.slot, tokens, hit_tokens, list(req.block_ids), req.worker_sampling))
+            step.new_requests.append(NewRequest(req.slot, tokens, hit_tokens, list(req.block_ids), req.worker_sampling,
+                                                req.num_prompt_tokens))
             step.add_prefill_row(req, n, [])
 
     # ---- results ------------------------------------------------------------------------
@@ -246,6 +247,15 @@ class Scheduler:
         for step in self._inflight:
             if step.step_id == step_id:
                 return [(req.worker_sampling, position) for req, position in step.samples]
+        raise ValueError(f"step {step_id} is not in flight")
+
+    def sampling_histories(self, step_id: int) -> list[tuple[list[int], list[int]] | None]:
+        """Each sampling row's (prompt ids, output ids before its position) when its params
+        have penalties, else None: what host-logits mode counts (one step in flight there)."""
+        for step in self._inflight:
+            if step.step_id == step_id:
+                return [(req.prompt_token_ids, req.output_token_ids[:position - req.num_prompt_tokens])
+                        if req.worker_sampling.has_penalties else None for req, position in step.samples]
         raise ValueError(f"step {step_id} is not in flight")
 
     def _publish(self, req: Request, computed: int) -> None:

@@ -16,12 +16,13 @@ from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan,
 class Req:
     slot: int
     tokens: list[int]  # prompt + outputs known to the driver
-    num_prompt: int
+    num_prompt: int  # tokens to prefill: the prompt, plus outputs when recomputing
     sampling: WorkerSampling
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
     sent: bool = False
     outputs: list[int] = field(default_factory=list)
+    prompt_len: int | None = None  # NewRequest.num_prompt: None when every prefilled token is prompt
 
     @property
     def prefilling(self) -> bool:
@@ -43,10 +44,13 @@ class PlanDriver:
         self.results: list[StepResult] = []
 
     def add(self, prompt: list[int], sampling: WorkerSampling | None = None, *,
-            cached_blocks: list[int] = ()) -> Req:
-        """cached_blocks: full blocks (of another request) holding this prompt's first tokens."""
-        req = Req(self.free_slots.pop(0), list(prompt), len(prompt), sampling or WorkerSampling(),
-                  num_computed=len(cached_blocks) * self.block_size, block_table=list(cached_blocks))
+            cached_blocks: list[int] = (), generated: list[int] = ()) -> Req:
+        """cached_blocks: full blocks (of another request) holding this prompt's first tokens;
+        generated: outputs it already has (recomputed as after a preemption or a restart)."""
+        tokens = list(prompt) + list(generated)
+        req = Req(self.free_slots.pop(0), tokens, len(tokens), sampling or WorkerSampling(),
+                  num_computed=len(cached_blocks) * self.block_size, block_table=list(cached_blocks),
+                  prompt_len=len(prompt) if generated else None)
         self.running.append(req)
         return req
 
@@ -77,7 +81,7 @@ class PlanDriver:
                 token = USE_RESIDENT if self.resident else req.tokens[-1]
             if not req.sent:
                 plan.new_requests.append(NewRequest(req.slot, list(req.tokens), req.num_computed,
-                                                    list(req.block_table), req.sampling))
+                                                    list(req.block_table), req.sampling, req.prompt_len))
                 req.sent = True
                 new = []
             plan.rows.append(ScheduledRow(req.slot, n, new, token))

@@ -128,7 +128,8 @@ class ModelRunner:
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)  # [slots]
         self.outputs = ResidentOutputs(self.device)
         self.sampler = Sampler(self.device, seed=config.seed, buffers=self.outputs)  # its scratch is resident too
-        self.slot_sampling = SlotSampling(config.max_num_seqs, self.device)  # each slot's params, on the device
+        # each slot's params (and penalty state), on the device
+        self.slot_sampling = SlotSampling(config.max_num_seqs, self.device, self.vocab_size)
         self.staging = StepStaging(self.device)  # the host buffer of each step's one copy, reused
         self.device_outputs = device_outputs_enabled(config.device_outputs)
         self.num_steps = 0
@@ -155,7 +156,8 @@ class ModelRunner:
         rows = self.slots.apply(plan)
         if self.device_outputs:
             for req in plan.new_requests:
-                self.slot_sampling.admit(req.slot, req.sampling)
+                state = self.slots.states[req.slot]
+                self.slot_sampling.admit(req.slot, state.sampling, state.token_ids, state.num_prompt)
         result = StepResult(step_id=plan.step_id, logits_shape=(0, 0 if self.device_outputs else self.vocab_size))
         if rows:
             with torch.inference_mode():
@@ -206,6 +208,7 @@ class ModelRunner:
             ids = self.outputs.get_rows("sampled_ids", b, (), torch.int32)  # filled by rank 0's broadcast
         self.parallel.broadcast(ids, src=0)  # every rank keeps the same resident last tokens
         self.last_tokens.index_copy_(0, inputs.sample_slots, ids.to(torch.int64))
+        self.slot_sampling.record(batch, ids)  # penalties' token counts, on the device
         for w in inputs.work:
             w.state.has_resident = True
         result.logits_shape = (b, 0)
@@ -249,7 +252,8 @@ class ModelRunner:
             "resident_buffers": len(self.outputs),
             "resident_bytes": self.outputs.nbytes,
             "resident_allocations": self.outputs.num_allocations,
-            "staging_allocations": self.staging.num_allocations,  # host staging buffers allocated (grows only)
+            "staging_allocations": self.staging.num_allocations,
+            "penalty_state_bytes": self.slot_sampling.penalties.nbytes,  # 0 until a request with penalties  # host staging buffers allocated (grows only)
             "device": str(self.device),
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "weights_dtype": str(self.weights_dtype).removeprefix("torch."),
@@ -269,5 +273,6 @@ class ModelRunner:
         self.graphs = None  # the graphs' memory pool goes with them
         self.slots.clear()
         self.sampler.close()
+        self.slot_sampling.penalties.close()
         self.outputs.close()
         self.kv_cache = None  # type: ignore[assignment]

@@ -1,6 +1,7 @@
 """Sampling on the worker's device, for a batch that mixes policies row by row.
 
-Rows are greedy (temperature 0) or random: temperature, then top-k, top-p and min-p (in
+Penalties and logit_bias (workers/penalties.py) change a row's logits first, greedy rows'
+too, then min_tokens bans. Rows are greedy (temperature 0) or random: temperature, then top-k, top-p and min-p (in
 that order; top-p sees the top-k-renormalized distribution, min-p compares each token's
 probability with the row's most likely one). Filters are value thresholds: ties at the
 cut are kept. Random rows sample by an exponential race, argmax(probs / E) with
@@ -13,7 +14,7 @@ row draws its own noise from a generator seeded by a stable mix of (seed, positi
 its tokens do not depend on its batch companions, its row index, or preemption.
 
 Logprobs come from the model's raw distribution, log_softmax of the unmodified logits
-(no temperature, filters or min_tokens ban). Nothing here copies to the host except
+(no penalties, temperature, filters or min_tokens ban). Nothing here copies to the host except
 `row_logprobs` and `sample_host`; on accelerators `__call__` never waits for the device.
 """
 
@@ -25,6 +26,7 @@ import torch
 
 from scheduler.protocol import RowLogprobs, StepResult, WorkerSampling
 from workers.logits_codec import logits_tensor
+from workers.penalties import apply_penalties
 from workers.resident import ResidentOutputs
 from workers.sampling_batch import SamplingBatch
 
@@ -97,9 +99,12 @@ class Sampler:
         if batch.max_banned_id >= V:
             raise ValueError(f"banned id {batch.max_banned_id} is outside the vocab of {V}")
         x = logits if logits.dtype == torch.float32 else logits.float()
-        if batch.ban_rows is not None:  # on a copy: the caller's logits stay unmodified
+        if batch.penalties is not None or batch.ban_rows is not None:  # on a copy: the caller's logits stay
             x = self._scratch("banned", B, V).copy_(x)
-            x.index_put_((batch.ban_rows, batch.ban_ids), self._neg_inf)
+            if batch.penalties is not None:
+                apply_penalties(x, batch.penalties)
+            if batch.ban_rows is not None:
+                x.index_put_((batch.ban_rows, batch.ban_ids), self._neg_inf)
         if batch.all_greedy:
             ids = x.argmax(dim=-1)  # [B]
         elif batch.num_random == B:
@@ -210,11 +215,13 @@ def row_logprobs(out: SamplerOutput, batch: SamplingBatch) -> list[RowLogprobs]:
 
 
 def sample_host(
-    result: StepResult, rows: list[tuple[WorkerSampling, int]], sampler: Sampler
+    result: StepResult, rows: list[tuple[WorkerSampling, int]], sampler: Sampler,
+    histories: list[tuple[list[int], list[int]] | None] | None = None,
 ) -> tuple[list[int], list[RowLogprobs]]:
     """The driver's path in host-logits mode: sample `result`'s logits on the CPU.
 
-    rows[i] = (sampling params, sampled position) of the result's row i.
+    rows[i] = (sampling params, sampled position) of the result's row i; histories[i] =
+    (prompt ids, output ids so far) where row i has penalties (Scheduler.sampling_histories).
     """
     logits = logits_tensor(result)  # [rows, vocab] float32 on the CPU
     if logits.shape[1] == 0:
@@ -223,6 +230,7 @@ def sample_host(
         raise ValueError(f"result has {logits.shape[0]} logits rows but {len(rows)} rows were given")
     if sampler.device.type != "cpu":
         raise ValueError(f"sample_host needs a CPU sampler, got one on {sampler.device}")
-    batch = SamplingBatch.build([p for p, _ in rows], [pos for _, pos in rows], sampler.device)
+    batch = SamplingBatch.build([p for p, _ in rows], [pos for _, pos in rows], sampler.device, histories,
+                                logits.shape[1])
     out = sampler(logits, batch)
     return out.token_ids.tolist(), row_logprobs(out, batch)

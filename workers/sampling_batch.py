@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from scheduler.protocol import WorkerSampling
+from workers.penalties import PenaltyLayout, PenaltyRows
 
 SAMPLING_EPS = 1e-5  # temperatures below this are treated as greedy (1/T would overflow)
 _MASK64 = (1 << 64) - 1
@@ -63,20 +64,31 @@ class SamplingBatch:
     logprob_n: list[int] = field(default_factory=list)  # top-n each of those rows asked for
     logprob_idx: torch.Tensor | None = None  # [L] = logprob_rows, None when every row asked
     max_logprobs: int = 0  # n_max over the rows that asked
+    penalties: PenaltyRows | None = None  # rows with penalties or logit_bias (workers/penalties.py)
 
     @classmethod
-    def build(cls, params: list[WorkerSampling], positions: list[int], device: torch.device) -> SamplingBatch:
+    def build(cls, params: list[WorkerSampling], positions: list[int], device: torch.device,
+              histories: list[tuple[list[int], list[int]] | None] | None = None,
+              vocab_size: int | None = None) -> SamplingBatch:
         """The batch from each row's params, copied to `device`: the driver's path in
         host-logits mode, and the reference the worker's per-slot path (SlotSampling) is
-        tested against. positions[i] is the sequence position of the token row i samples."""
+        tested against. positions[i] is the sequence position of the token row i samples.
+        Rows with penalties need histories[i] = (prompt ids, output ids so far) and the
+        logits' vocab_size."""
         device = torch.device(device)
         layout = SamplingLayout.of(params, positions)
+        penalties = None
+        if layout.penalties is not None:
+            if histories is None or vocab_size is None:
+                raise ValueError("rows with penalties need their token histories and the vocab size")
+            penalties = PenaltyRows.build(layout.penalties, params, histories, vocab_size, device)
         rows = layout.value_rows()
         ints = {**layout.index_lists(), "top_k": [params[i].top_k for i in rows["top_k"]] or None}
         floats = dict(temperature=[float(params[i].temperature) for i in rows["temperature"]] or None,
                       top_p=[float(params[i].top_p) for i in rows["top_p"]] or None,
                       log_min_p=[math.log(params[i].min_p) for i in rows["log_min_p"]] or None)
-        return layout.batch({**_to_device(ints, torch.int64, device), **_to_device(floats, torch.float32, device)})
+        return layout.batch({**_to_device(ints, torch.int64, device), **_to_device(floats, torch.float32, device)},
+                            penalties)
 
 
 @dataclass
@@ -97,6 +109,7 @@ class SamplingLayout:
     ban_ids: list[int]
     logprob_rows: list[int]  # batch rows that asked for logprobs, ascending
     logprob_n: list[int]
+    penalties: PenaltyLayout | None = None  # None: no row has penalties
 
     @classmethod
     def of(cls, params: list[WorkerSampling], positions: list[int]) -> SamplingLayout:
@@ -105,8 +118,10 @@ class SamplingLayout:
         if positions and min(positions) < 0:  # params were checked once, when their request arrived
             raise ValueError(f"positions must be >= 0, got {min(positions)}")
         rand, k_rows, p_rows, pk, m_rows, seeded, ban_r, ban_c, lp_rows, lp_n = [], [], [], [], [], [], [], [], [], []
-        any_unseeded, top_k_max = False, 0
+        any_unseeded, top_k_max, pen_rows = False, 0, []
         for i, (sp, pos) in enumerate(zip(params, positions)):
+            if sp.has_penalties:
+                pen_rows.append(i)
             if sp.banned_ids and pos < sp.ban_until:
                 ban_r += [i] * len(sp.banned_ids)
                 ban_c += sp.banned_ids
@@ -130,7 +145,8 @@ class SamplingLayout:
             else:
                 seeded.append((j, row_seed(sp.seed, pos)))
         return cls(len(params), rand, k_rows, top_k_max, p_rows, pk, m_rows, seeded, any_unseeded,
-                   ban_r, ban_c, lp_rows, lp_n)
+                   ban_r, ban_c, lp_rows, lp_n,
+                   PenaltyLayout.of(params, pen_rows) if pen_rows else None)
 
     @property
     def top_p_within_k(self) -> bool:
@@ -157,13 +173,16 @@ class SamplingLayout:
         return dict(temperature=rand, top_k=[rand[j] for j in self.k_rows],
                     top_p=[rand[j] for j in self.p_rows], log_min_p=[rand[j] for j in self.m_rows])
 
-    def batch(self, tensors: dict[str, torch.Tensor | None]) -> SamplingBatch:
-        """The SamplingBatch, given the device tensors named by index_lists() and value_rows()."""
+    def batch(self, tensors: dict[str, torch.Tensor | None], penalties: PenaltyRows | None = None
+              ) -> SamplingBatch:
+        """The SamplingBatch, given the device tensors named by index_lists() and value_rows()
+        (and the penalized rows', when self.penalties says there are some)."""
         return SamplingBatch(
             size=self.size, all_greedy=not self.rand, num_random=len(self.rand), top_k_max=self.top_k_max,
             top_p_within_k=self.top_p_within_k, seeded=self.seeded, any_unseeded=self.any_unseeded,
             max_banned_id=max(self.ban_ids, default=-1), logprob_rows=self.logprob_rows,
-            logprob_n=self.logprob_n, max_logprobs=max(self.logprob_n, default=0), **tensors)
+            logprob_n=self.logprob_n, max_logprobs=max(self.logprob_n, default=0), penalties=penalties,
+            **tensors)
 
 
 def _to_device(lists: dict[str, list | None], dtype: torch.dtype, device: torch.device) -> dict:

@@ -20,6 +20,7 @@ class SlotState:
     num_computed: int  # tokens whose K/V are in the cache
     block_table: list[int]
     sampling: WorkerSampling
+    num_prompt: int  # the leading token_ids that are the prompt; the rest were generated
     has_resident: bool = False  # last_tokens[slot] holds a token this worker sampled for it
 
 
@@ -105,11 +106,19 @@ class SlotTable:
             req.sampling.check()
         except ValueError as e:
             raise ValueError(f"new request for slot {slot}: {e}") from None
+        bad_bias = [t for t, _ in req.sampling.logit_bias if t >= self.vocab_size]
+        if bad_bias:
+            raise ValueError(f"new request for slot {slot}: logit_bias token id {bad_bias[0]} is outside "
+                             f"[0, {self.vocab_size})")
+        num_prompt = len(req.token_ids) if req.num_prompt is None else req.num_prompt
+        if not is_int(num_prompt) or not 1 <= num_prompt <= len(req.token_ids):
+            raise ValueError(f"new request for slot {slot}: num_prompt {req.num_prompt!r} must be in "
+                             f"[1, {len(req.token_ids)}]")
         self._check_blocks(slot, req.block_table)
         if len(req.block_table) * self.block_size < req.num_computed:
             raise ValueError(f"new request for slot {slot}: {len(req.block_table)} blocks cannot hold "
                              f"its {req.num_computed} computed tokens")
-        return SlotState(list(req.token_ids), req.num_computed, list(req.block_table), req.sampling)
+        return SlotState(list(req.token_ids), req.num_computed, list(req.block_table), req.sampling, num_prompt)
 
     def _check_row(self, row: ScheduledRow, admitted: dict[int, SlotState], dropped: set[int]) -> RowWork:
         slot = row.slot

@@ -16,6 +16,7 @@ from workers.slot_sampling import SlotSampling
 from workers.staging import StepStaging
 
 NUM_SLOTS = 12
+VOCAB = 257
 
 
 def _random_params(rng: random.Random) -> W:
@@ -46,7 +47,7 @@ def _assert_same(a: SamplingBatch, b: SamplingBatch) -> None:
 def test_per_slot_state_gives_the_batch_built_from_params(device):
     dev = torch.device(device)
     rng = random.Random(0)
-    state, staging = SlotSampling(NUM_SLOTS, dev), StepStaging(dev)
+    state, staging = SlotSampling(NUM_SLOTS, dev, VOCAB), StepStaging(dev)
     held: dict[int, W] = {}
     for _ in range(40):
         for slot in rng.sample(range(NUM_SLOTS), rng.randint(0, 3)):  # requests arriving (some replace others)
@@ -68,7 +69,7 @@ def test_sampled_ids_match_the_reference_path(device):
     rng = random.Random(1)
     params = [_random_params(rng) for _ in range(NUM_SLOTS)]
     slots, positions = list(range(NUM_SLOTS))[::-1], [rng.randint(0, 60) for _ in range(NUM_SLOTS)]
-    state, staging = SlotSampling(NUM_SLOTS, dev), StepStaging(dev)
+    state, staging = SlotSampling(NUM_SLOTS, dev, VOCAB), StepStaging(dev)
     for s, p in zip(slots, params):
         state.admit(s, p)
     logits = torch.randn(NUM_SLOTS, 257, generator=torch.Generator().manual_seed(2)).to(dev)
