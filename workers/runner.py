@@ -252,8 +252,8 @@ class ModelRunner:
             "resident_buffers": len(self.outputs),
             "resident_bytes": self.outputs.nbytes,
             "resident_allocations": self.outputs.num_allocations,
-            "staging_allocations": self.staging.num_allocations,
-            "penalty_state_bytes": self.slot_sampling.penalties.nbytes,  # 0 until a request with penalties  # host staging buffers allocated (grows only)
+            "staging_allocations": self.staging.num_allocations,  # host staging buffers allocated (grows only)
+            "penalty_state_bytes": self.slot_sampling.penalties.nbytes,  # 0 until a request with penalties
             "device": str(self.device),
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "weights_dtype": str(self.weights_dtype).removeprefix("torch."),
