@@ -193,26 +193,32 @@ def _hf_greedy_penalized(prompt: list[int], sp: W, n: int) -> list[int]:
 PROMPT = [367, 1887, 1890, 1876]  # "The quick brown fox": its greedy continuation repeats EOS (2039)
 
 
-@pytest.mark.parametrize("sp", [W(frequency_penalty=2.0, presence_penalty=0.5), W(repetition_penalty=1.8),
-                                W(logit_bias=((13, 8.0), (2039, -100.0)))],
+ECHO = [1017, 11, 1780, 0, 1169, 379, 690, 757, 30, 550, 494, 371, 1189, 336, 953, 13]  # "Hello, world! How
+# are you today? The capital of Korea is Seoul.": its greedy continuation repeats the prompt's sentence
+
+
+@pytest.mark.parametrize("prompt,sp", [(PROMPT, W(frequency_penalty=2.0, presence_penalty=0.5)),
+                                       (ECHO, W(repetition_penalty=1.8)),
+                                       (PROMPT, W(logit_bias=((13, 8.0), (2039, -100.0))))],
                          ids=["frequency-presence", "repetition", "logit-bias"])
-def test_greedy_with_penalties_matches_hf_with_the_reference_penalties(runners, sp):
-    want = _hf_greedy_penalized(PROMPT, sp, 16)
-    plain = _hf_greedy_penalized(PROMPT, W(), 16)
+def test_greedy_with_penalties_matches_hf_with_the_reference_penalties(runners, prompt, sp):
+    want = _hf_greedy_penalized(prompt, sp, 16)
+    plain = _hf_greedy_penalized(prompt, W(), 16)
     assert want != plain  # the penalty matters on this prompt
     # a companion without penalties keeps its plain greedy tokens
-    assert _generate(runners[True], [PROMPT, PROMPT], [sp, W()], 16) == [want, plain]
+    assert _generate(runners[True], [prompt, prompt], [sp, W()], 16) == [want, plain]
 
 
 def test_a_recomputed_request_counts_its_earlier_outputs(runners):
     """Preempted (or after a worker restart) it arrives again with prompt + outputs, in the slot
     that held it: its tokens equal an uninterrupted run's."""
-    sp = W(temperature=0.9, seed=21, frequency_penalty=1.5, repetition_penalty=1.4, logit_bias=((3, 4.0),))
+    params = [W(frequency_penalty=2.0, presence_penalty=2.0, logit_bias=((3, 4.0),)),
+              W(repetition_penalty=2.0, temperature=0.9, seed=21)]
     runner = runners[True]
-    want = _generate(runner, [PROMPT], [sp], 14, slots=[2])[0]
-    head = _generate(runner, [PROMPT], [sp], 6, slots=[2])[0]
-    tail = _generate(runner, [PROMPT], [sp], 8, generated=[head], slots=[2])[0]
-    assert head + tail == want
+    want = _generate(runner, [PROMPT] * 2, params, 20, slots=[2, 3])
+    head = [w[:10] for w in want]
+    tail = _generate(runner, [PROMPT] * 2, params, 10, generated=head, slots=[2, 3])
+    assert [h + t for h, t in zip(head, tail)] == want
 
 
 def test_device_sampling_equals_host_logits_sampling_with_penalties(runners):
