@@ -29,10 +29,11 @@ floats32 = st.floats(-1e6, 1e6, width=32)
 def test_step_plan_round_trip_keeps_every_field():
     sampling = WorkerSampling.from_params(
         SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, seed=3, logprobs=5, min_tokens=2,
-                       stop_token_ids=(9,)), num_prompt_tokens=4, eos_token_ids=(2, 3))
+                       stop_token_ids=(9,), presence_penalty=0.5, frequency_penalty=-1.25, repetition_penalty=1.3,
+                       logit_bias={"12": -100, "7": 0.5}), num_prompt_tokens=4, eos_token_ids=(2, 3))
     plan = StepPlan(
         step_id=41,
-        new_requests=[NewRequest(5, [1, 2, 3, 151_000], 0, [7, 8], sampling)],
+        new_requests=[NewRequest(5, [1, 2, 3, 151_000], 0, [7, 8], sampling, 3)],
         rows=[ScheduledRow(5, 4, [], None), ScheduledRow(1, 1, [9], USE_RESIDENT), ScheduledRow(2, 1, [], 17)],
         finished=[3],
         preempted=[4, 6],

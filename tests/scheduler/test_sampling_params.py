@@ -20,7 +20,13 @@ BAD_PARAMS = [
     ("ignore_eos", 1), ("ignore_eos", "yes"),
     ("logprobs", -1), ("logprobs", MAX_LOGPROBS + 1), ("logprobs", 2.0),
     ("skip_special_tokens", None), ("skip_special_tokens", 0),
+    ("presence_penalty", 3), ("presence_penalty", -2.5), ("presence_penalty", "1"),
+    ("frequency_penalty", 2.01), ("frequency_penalty", math.nan),
+    ("repetition_penalty", 0), ("repetition_penalty", -1.0), ("repetition_penalty", math.inf),
+    ("logit_bias", [[5, 1.0]]), ("logit_bias", "5"),
 ]
+BAD_LOGIT_BIAS = [({"abc": 1}, "'abc'"), ({"-3": 1}, "'-3'"), ({5: 200}, "200"), ({"5": "1"}, "'1'"),
+                  ({1.5: 1}, "1.5"), ({"7": 1, "8": -100.5}, "-100.5"), ({"5": True}, "True")]
 
 
 @pytest.mark.parametrize("field,value", BAD_PARAMS)
@@ -30,6 +36,13 @@ def test_each_bad_sampling_param_raises_naming_the_field(field, value):
         SamplingParams(**kwargs)
     assert field in str(e.value)
     assert repr(value) in str(e.value) or str(value) in str(e.value)
+
+
+@pytest.mark.parametrize("value,shown", BAD_LOGIT_BIAS)
+def test_each_bad_logit_bias_entry_is_named(value, shown):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(logit_bias=value)
+    assert str(e.value).startswith("logit_bias ") and shown in str(e.value)
 
 
 def test_max_tokens_none_means_what_fits_and_must_be_resolved_before_scheduling():
@@ -52,6 +65,20 @@ def test_top_p_message_reads_like_the_design():
 def test_valid_sampling_params_construct(kwargs):
     params = SamplingParams(max_tokens=16, **kwargs)
     assert isinstance(params.stop, tuple) and isinstance(params.stop_token_ids, tuple)
+
+
+def test_logit_bias_takes_json_string_keys_and_reaches_the_worker_sorted():
+    params = SamplingParams(logit_bias={"17": 5, 3: -100.0, "0": 100})
+    assert params.logit_bias == {17: 5.0, 3: -100.0, 0: 100.0}
+    ws = WorkerSampling.from_params(params, num_prompt_tokens=2)
+    assert ws.logit_bias == ((0, 100.0), (3, -100.0), (17, 5.0)) and ws.has_penalties and not ws.counts_tokens
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    with pytest.raises(ValueError, match="at most 300"):
+        SamplingParams(logit_bias={str(i): 1 for i in range(301)})
+    with pytest.raises(ValueError, match="names token 5 twice"):
+        SamplingParams(logit_bias={"5": 1, 5: 2})
+    assert not WorkerSampling.from_params(SamplingParams(), num_prompt_tokens=2).has_penalties
+    assert WorkerSampling.from_params(SamplingParams(repetition_penalty=1.1), num_prompt_tokens=2).counts_tokens
 
 
 def test_min_tokens_becomes_a_position_ban_on_eos_and_stop_ids():

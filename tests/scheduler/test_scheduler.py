@@ -338,3 +338,28 @@ def test_eos_inside_min_tokens_does_not_stop():
         sched.update(StepResult(plan.step_id, [req.slot], pack_int32([EOS])))
         assert req.is_finished == (n > req.params.min_tokens)
     assert req.output_token_ids == [EOS] * 3 and req.finish_reason is FinishReason.STOP
+
+
+def test_a_readmitted_request_says_which_of_its_tokens_are_the_prompt():
+    """Penalties count outputs: a request recomputed after preemption arrives with prompt +
+    outputs and num_prompt; host-logits mode gets each penalized row's history."""
+    a, b = make_requests(2, prompt_len=4, max_tokens=12, ignore_eos=True, frequency_penalty=1.0)
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=2)
+    for r in (a, b):
+        sched.add_request(r)
+    runner = FakeRunner.for_scheduler(sched)
+    arrivals = []
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        reqs = {id(nr): request_of(nr, [a, b]) for nr in plan.new_requests}
+        arrivals += [(nr, list(reqs[id(nr)].output_token_ids)) for nr in plan.new_requests]
+        histories = sched.sampling_histories(plan.step_id)
+        for (ws, position), hist in zip(sched.sampling_rows(plan.step_id), histories):
+            req = a if ws is a.worker_sampling else b
+            assert hist == (req.prompt_token_ids, req.output_token_ids[:position - req.num_prompt_tokens])
+        sched.update(runner.execute(plan))
+    again = [(nr, outs) for nr, outs in arrivals if outs]
+    assert again, "nothing was preempted"
+    for nr, outs in arrivals:
+        assert nr.num_prompt == 4 and nr.token_ids[4:] == outs
+    assert_matches_reference([a, b])

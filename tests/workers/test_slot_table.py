@@ -18,8 +18,8 @@ def make_table(**kw) -> SlotTable:
     return SlotTable(**kw)
 
 
-def new(slot: int, tokens, computed: int = 0, blocks=(0, 1, 2)) -> NewRequest:
-    return NewRequest(slot, list(tokens), computed, list(blocks), WorkerSampling())
+def new(slot: int, tokens, computed: int = 0, blocks=(0, 1, 2), sampling=None, num_prompt=None) -> NewRequest:
+    return NewRequest(slot, list(tokens), computed, list(blocks), sampling or WorkerSampling(), num_prompt)
 
 
 def admitted(table: SlotTable, slot: int = 0, tokens=range(10, 16)) -> SlotTable:
@@ -72,6 +72,15 @@ BAD_PLANS = {
     "too few blocks": (StepPlan(1, new_requests=[new(2, range(9), computed=8, blocks=[3])]),
                        "1 blocks cannot hold its 8 computed tokens"),
     "block outside pool": (StepPlan(1, new_requests=[new(2, [1], blocks=[16])]), "block id 16 is outside"),
+    "bias outside vocab": (StepPlan(1, new_requests=[new(2, [1], sampling=WorkerSampling(logit_bias=((100, 1.0),)))]),
+                           "logit_bias token id 100 is outside \\[0, 100\\)"),
+    "bias out of range": (StepPlan(1, new_requests=[new(2, [1], sampling=WorkerSampling(logit_bias=((5, 101.0),)))]),
+                          "logit_bias values must be numbers in \\[-100, 100\\], got 101.0"),
+    "bad penalty": (StepPlan(1, new_requests=[new(2, [1], sampling=WorkerSampling(repetition_penalty=0.0))]),
+                    "repetition_penalty must be a number > 0"),
+    "prompt longer than tokens": (StepPlan(1, new_requests=[new(2, [1, 2], num_prompt=3)]),
+                                  "num_prompt 3 must be in \\[1, 2\\]"),
+    "empty prompt": (StepPlan(1, new_requests=[new(2, [1, 2], num_prompt=0)]), "num_prompt 0 must be in"),
     "empty slot row": (StepPlan(1, rows=[ScheduledRow(3, 1)]), "slot 3, which holds no request"),
     "scheduled twice": (StepPlan(1, rows=[ScheduledRow(0, 1, [], 5), ScheduledRow(0, 1, [], 5)]),
                         "slot 0 is scheduled twice"),
