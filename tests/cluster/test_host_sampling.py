@@ -38,3 +38,26 @@ def test_seeded_requests_sample_the_same_with_one_or_two_replicas(ray_session):
     assert all(len(t) == 24 for t in one)
     assert first == second
     assert first == one
+
+
+def test_penalties_sample_the_same_on_the_device_under_preemption_and_on_the_driver(ray_session):
+    """Seeded and greedy requests with penalties and logit_bias: host-logits mode (the driver
+    counts each request's history) and device sampling in a KV pool small enough to preempt
+    (recomputed requests rebuild their counts on the worker) give the same tokens."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+    params = [SamplingParams(max_tokens=20, ignore_eos=True, seed=50 + i, temperature=[0.0, 0.9][i % 2],
+                             frequency_penalty=[2.0, 0.5, 0.0, -1.0][i % 4], presence_penalty=[0.0, 1.0][i % 2],
+                             repetition_penalty=[1.0, 1.5, 1.2, 1.0][i % 4],
+                             logit_bias={"13": 3.0, "2039": -5.0} if i % 3 == 0 else None)
+              for i in range(8)]
+    opts = dict(num_replicas=1, threads_per_worker=1, max_num_seqs=8)
+    with cluster.launch(device_outputs=False, num_kv_blocks=128, **opts) as llm:
+        host = [o.token_ids for o in llm.generate(prompts, params)]
+    with cluster.launch(device_outputs=True, num_kv_blocks=14, block_size=4, **opts) as llm:
+        device = [o.token_ids for o in llm.generate(prompts, params)]
+        assert llm.stats()["num_preemptions"] > 0, "the pool was meant to force preemption"
+    assert device == host
+    plain = [SamplingParams(max_tokens=20, ignore_eos=True, seed=p.seed, temperature=p.temperature) for p in params]
+    with cluster.launch(device_outputs=True, num_kv_blocks=128, **opts) as llm:
+        unpenalized = [o.token_ids for o in llm.generate(prompts, plain)]
+    assert sum(u != d for u, d in zip(unpenalized, device)) >= 4  # the penalties changed what was sampled
