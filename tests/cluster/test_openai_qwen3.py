@@ -1,7 +1,7 @@
 """What Qwen3 users ask of the OpenAI server, through the official openai client against a
 served engine on the bundled (trained) tiny model: thinking on and off, tool calls parsed
 from the model's own output (whole and streamed), tool results in a later turn, forced
-calls, and a 400 naming the field for each bad value."""
+calls, penalties and logit_bias, and a 400 naming the field for each bad value."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import socket
 import threading
 import time
+from collections import Counter
 
 import httpx
 import openai
@@ -164,3 +165,68 @@ def test_bad_values_are_a_400_naming_the_field(base, extra, field):
     assert err["param"] == field and field.split(".")[0].split("[")[0] in err["message"]
     assert httpx.post(base + "/v1/chat/completions", timeout=60, json={
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).status_code == 200
+
+
+# ---- penalties and logit_bias ----------------------------------------------------------------
+
+def _tokenizer():
+    from workers.loader import bundled_model_path, load_tokenizer
+
+    return load_tokenizer(bundled_model_path())
+
+
+def test_logit_bias_forces_a_token_under_greedy(client):
+    tok = _tokenizer()
+    plain = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    [forced] = tok.encode(" river", add_special_tokens=False)
+    assert " river" not in plain.choices[0].text
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0,
+                                  logit_bias={str(forced): 100})
+    assert r.choices[0].text == tok.decode([forced] * 8) and r.choices[0].finish_reason == "length"
+    banned = tok.encode(plain.choices[0].text, add_special_tokens=False)[0]
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0,
+                                  logit_bias={str(banned): -100})
+    assert banned not in tok.encode(r.choices[0].text, add_special_tokens=False)
+
+
+def test_frequency_penalty_stops_the_greedy_model_repeating_a_token(base, client):
+    """Greedy with EOS ignored, the tiny model repeats EOS; a frequency penalty lowers a token's
+    logit by 2 for each time it was generated, so the most repeated token comes back less often."""
+    handle = cluster.connect(NAME)
+    prompt = "The quick brown fox"
+    params = dict(max_tokens=24, temperature=0.0, ignore_eos=True, skip_special_tokens=False)
+    plain = handle.generate(prompt, cluster.SamplingParams(**params))
+    top, repeats = Counter(plain.token_ids).most_common(1)[0]
+    assert repeats >= 4, "the unpenalized continuation was meant to repeat a token"
+    penalized = handle.generate(prompt, cluster.SamplingParams(frequency_penalty=2.0, **params))
+    counts = Counter(penalized.token_ids)
+    assert counts[top] < repeats and max(counts.values()) < repeats
+    ids = plain.token_ids
+    first_repeat = next(i for i, t in enumerate(ids) if t in ids[:i])  # until then nothing is penalized
+    assert penalized.token_ids[:first_repeat] == ids[:first_repeat]
+    # the same through the HTTP server
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, frequency_penalty=2.0,
+                                  extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    assert r.choices[0].text == penalized.text
+    r = _chat(client, "What is the capital of France?", presence_penalty=1.0, max_tokens=16,
+              extra_body={"repetition_penalty": 1.3})
+    assert r.choices[0].message.content or r.choices[0].message.model_extra["reasoning_content"]
+
+
+@pytest.mark.parametrize("kwargs,field,shown", [
+    ({"presence_penalty": 3}, "presence_penalty", "3"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty", "-2.5"),
+    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty", "0"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias", "999999"),
+    ({"logit_bias": {"5": 200}}, "logit_bias", "200"),
+    ({"logit_bias": {"five": 1}}, "logit_bias", "five"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", "301"),
+])
+def test_bad_penalties_are_a_400_naming_the_field_and_value(client, kwargs, field, shown):
+    for create in (client.completions.create, client.chat.completions.create):
+        body = {"prompt": "Hello"} if create == client.completions.create else {
+            "messages": [{"role": "user", "content": "hi"}]}
+        with pytest.raises(openai.BadRequestError) as e:
+            create(model=MODEL, max_tokens=4, **body, **kwargs)
+        assert field in e.value.message and shown in e.value.message
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=2).usage.completion_tokens >= 1
