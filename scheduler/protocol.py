@@ -132,6 +132,12 @@ class WorkerSampling:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # whether anything of workers/penalties.py applies to its rows: read per row per step, so
+    # computed once here (the params of a request never change after it is built)
+    has_penalties: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.has_penalties = self.counts_tokens or bool(self.logit_bias)
 
     @classmethod
     def from_params(cls, params, num_prompt_tokens: int, eos_token_ids=()) -> WorkerSampling:
@@ -167,10 +173,6 @@ class WorkerSampling:
         """Whether its penalties read the request's token counts."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
-    @property
-    def has_penalties(self) -> bool:
-        """Whether anything of workers/penalties.py applies to its rows."""
-        return self.counts_tokens or bool(self.logit_bias)
 
     def check(self) -> None:
         """ValueError naming the field that is out of range (the worker admits nothing else)."""
