@@ -50,14 +50,13 @@ def test_penalties_sample_the_same_on_the_device_under_preemption_and_on_the_dri
                              repetition_penalty=[1.0, 1.5, 1.2, 1.0][i % 4],
                              logit_bias={"13": 3.0, "2039": -5.0} if i % 3 == 0 else None)
               for i in range(8)]
+    plain = [SamplingParams(max_tokens=20, ignore_eos=True, seed=p.seed, temperature=p.temperature) for p in params]
     opts = dict(num_replicas=1, threads_per_worker=1, max_num_seqs=8)
     with cluster.launch(device_outputs=False, num_kv_blocks=128, **opts) as llm:
         host = [o.token_ids for o in llm.generate(prompts, params)]
+        unpenalized = [o.token_ids for o in llm.generate(prompts, plain)]
     with cluster.launch(device_outputs=True, num_kv_blocks=14, block_size=4, **opts) as llm:
         device = [o.token_ids for o in llm.generate(prompts, params)]
         assert llm.stats()["num_preemptions"] > 0, "the pool was meant to force preemption"
     assert device == host
-    plain = [SamplingParams(max_tokens=20, ignore_eos=True, seed=p.seed, temperature=p.temperature) for p in params]
-    with cluster.launch(device_outputs=True, num_kv_blocks=128, **opts) as llm:
-        unpenalized = [o.token_ids for o in llm.generate(prompts, plain)]
     assert sum(u != d for u, d in zip(unpenalized, device)) >= 4  # the penalties changed what was sampled

@@ -25,6 +25,8 @@ PROMPTS = ["北京故宫是", "Hello there", "The quick brown fox jumps over the
 N = 16
 GREEDY = SamplingParams(max_tokens=N, temperature=0)
 SEEDED = SamplingParams(max_tokens=N, temperature=1.0, top_k=50, seed=99)
+PENALIZED = SamplingParams(max_tokens=N, temperature=1.0, seed=7, ignore_eos=True, frequency_penalty=1.5,
+                           repetition_penalty=1.3, logit_bias={"13": 2.0})
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,7 @@ def _wait_for_tokens(llm, n, timeout=120):
 
 @pytest.mark.timeout(600)
 def test_tp2_replica_matches_hf_and_pulls_the_same_bytes(ray_session, expected):
-    stats = {}
+    stats, penalized = {}, {}
     for tp in (1, 2):
         with cluster.launch(num_kv_blocks=64, threads_per_worker=1, tensor_parallel_size=tp) as llm:
             # one request first: its decode steps have one row each, the same steps for any TP
@@ -49,7 +51,9 @@ def test_tp2_replica_matches_hf_and_pulls_the_same_bytes(ray_session, expected):
             stats[tp] = llm.stats()
             outs = llm.generate(PROMPTS, GREEDY)
             info = llm.stats()["replicas"][0]["info"]
+            penalized[tp] = [o.token_ids for o in llm.generate(PROMPTS, PENALIZED)]  # rank 0 counts them
         assert [o.token_ids for o in outs] == expected
+    assert penalized[2] == penalized[1]
     assert stats[2]["tensor_parallel_size"] == 2
     ranks = info["ranks"]
     assert len(ranks) == 2 and len({r["pid"] for r in ranks}) == 2 and len({r["node_id"] for r in ranks}) == 1
