@@ -130,6 +130,7 @@ class Request:
     # memo of the prefix-cache hash chain over the full blocks of all_token_ids
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
     num_published_blocks: int = field(default=0, repr=False)  # leading blocks offered to the cache
+    num_claimed_blocks: int = field(default=0, repr=False)  # leading full blocks it computes, this admission
     num_sent_tokens: int = field(default=0, repr=False)  # len(NewRequest.token_ids), this admission
     num_inflight_samples: int = field(default=0, repr=False)  # sampled by dispatched steps, not yet returned
     arrival_seq: int = field(default=-1, repr=False)  # order of add_request()
