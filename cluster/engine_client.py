@@ -66,11 +66,12 @@ class EngineClient:
             self._tokenizer = load_tokenizer(self.model_path)
         return self._tokenizer
 
-    def add_request(self, prompt, params=None, request_id: str | None = None, loop=None) -> RequestStream:
+    def add_request(self, prompt, params=None, request_id: str | None = None, loop=None,
+                    sink: RequestStream | None = None) -> RequestStream:
         rid = request_id if request_id is not None else uuid.uuid4().hex
         if not isinstance(rid, str) or not rid:
             raise ValueError(f"request_id must be a non-empty string, got {rid!r}")
-        return self.frontend.submit(prompt, params, rid, loop)
+        return self.frontend.submit(prompt, params, rid, loop, sink)
 
     def apply_chat_template(self, messages, tools=None, template_kwargs=None) -> str:
         return _get(self._actor.apply_chat_template.remote(messages, tools, template_kwargs))

@@ -60,8 +60,10 @@ class Frontend:
             t.start()
 
     # ---- requests (any thread) ----
-    def submit(self, prompt, params, request_id: str, loop=None) -> RequestStream:
-        stream = RequestStream(request_id, loop)
+    def submit(self, prompt, params, request_id: str, loop=None, sink: RequestStream | None = None) -> RequestStream:
+        """Queue a submission; its deltas go to `sink` when given (a stream that several
+        requests feed: the choices of one), else to a new RequestStream."""
+        stream = sink if sink is not None else RequestStream(request_id, loop)
         with self._lock:
             if self._closed:
                 raise self.error or EngineDeadError("this connection to the engine is closed")

@@ -4,9 +4,12 @@ Bodies are parsed strictly from JSON (a string where a number belongs is an erro
 naming the field); ranges are then checked by SamplingParams, whose errors name the
 field and value. Chat requests may offer tools (tool_choice "none", "auto", "required" or a named function)
 and pass chat_template_kwargs (e.g. {"enable_thinking": false}) to the template; replies
-carry reasoning_content and tool_calls (cluster/chat_output.py). Features raylm does not
-have (n > 1, echo, penalties, logit_bias) are refused with a 400 that says so, never
-silently ignored."""
+carry reasoning_content and tool_calls (cluster/chat_output.py). `n` (1..16, MAX_N) asks
+for n choices, indexed 0..n-1 (a list of k prompts on /v1/completions gives k*n, choice i
+of prompt p at index p*n + i, as OpenAI numbers them); with a seed, choice i samples with
+choice_seed(seed, i); usage counts each prompt once and the completion tokens of every
+choice. Features raylm does not have (echo, best_of other than n, penalties, logit_bias)
+are refused with a 400 that says so, never silently ignored."""
 
 from __future__ import annotations
 
@@ -51,8 +54,6 @@ class _Common(BaseModel):
 
     def unsupported(self) -> tuple[str, object] | None:
         """The first field asking for something raylm does not do, with its value."""
-        if self.n != 1:
-            return "n", self.n
         if self.presence_penalty != 0:
             return "presence_penalty", self.presence_penalty
         if self.frequency_penalty != 0:
@@ -67,6 +68,7 @@ class _Common(BaseModel):
             min_tokens=self.min_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
             min_p=self.min_p, seed=self.seed, stop=self.stop, stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            n=self.n,
         )
 
     @property
@@ -86,7 +88,7 @@ class CompletionRequest(_Common):
             return "echo", self.echo
         if self.suffix:
             return "suffix", self.suffix
-        if self.best_of not in (None, 1):
+        if self.best_of not in (None, self.n):  # best_of == n returns every candidate: plain n
             return "best_of", self.best_of
         return super().unsupported()
 
@@ -290,34 +292,40 @@ def chat_logprobs(lps: list[TokenLogprob] | None) -> dict | None:
 
 
 def completion_response(rid: str, model: str, outputs: list[RequestOutput]) -> dict:
-    choices = [{"index": i, "text": o.text, "logprobs": completion_logprobs(o.logprobs),
-                "finish_reason": finish_reason(o.finish_reason)} for i, o in enumerate(outputs)]
+    """One output per prompt, each with its n choices: choice i of prompt p is index p*n + i."""
+    choices = [{"index": p * len(o.outputs) + c.index, "text": c.text, "logprobs": completion_logprobs(c.logprobs),
+                "finish_reason": finish_reason(c.finish_reason)} for p, o in enumerate(outputs) for c in o.outputs]
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(sum(o.num_prompt_tokens for o in outputs),
-                                               sum(len(o.token_ids) for o in outputs))}
+                                               sum(o.num_generated_tokens for o in outputs))}
 
 
-def chat_response(rid: str, model: str, out: RequestOutput, parsed=None) -> dict:
-    """parsed: the choice's ChatOutput (reasoning and tool calls); None leaves the text as content."""
-    if parsed is None:
-        message, reason = {"role": "assistant", "content": out.text}, finish_reason(out.finish_reason)
-    else:
-        message, reason = parsed.message(out.text), finish_reason(parsed.finish_reason(out.finish_reason))
+def chat_response(rid: str, model: str, out: RequestOutput, parsers: list | None = None) -> dict:
+    """parsers: each choice's ChatOutput (reasoning and tool calls); None leaves the text as content."""
+    choices = []
+    for c in out.outputs:
+        if parsers is None:
+            message, reason = {"role": "assistant", "content": c.text}, finish_reason(c.finish_reason)
+        else:
+            parsed = parsers[c.index]
+            message, reason = parsed.message(c.text), finish_reason(parsed.finish_reason(c.finish_reason))
+        choices.append({"index": c.index, "message": message, "logprobs": chat_logprobs(c.logprobs),
+                        "finish_reason": reason})
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": chat_logprobs(out.logprobs),
-                         "finish_reason": reason}],
-            "usage": usage(out.num_prompt_tokens, len(out.token_ids))}
+            "choices": choices, "usage": usage(out.num_prompt_tokens, out.num_generated_tokens)}
 
 
 def completion_chunk(rid: str, model: str, created: int, delta: StreamDelta, text_offset: int) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": delta.text, "logprobs": completion_logprobs(delta.logprobs, text_offset),
+            "choices": [{"index": delta.index, "text": delta.text,
+                         "logprobs": completion_logprobs(delta.logprobs, text_offset),
                          "finish_reason": finish_reason(delta.finish_reason)}]}
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict, logprobs=None, reason: str | None = None) -> dict:
+def chat_chunk(rid: str, model: str, created: int, delta: dict, logprobs=None, reason: str | None = None,
+               index: int = 0) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": chat_logprobs(logprobs),
+            "choices": [{"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs),
                          "finish_reason": finish_reason(reason)}]}
 
 

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import hashlib
 import time
 from dataclasses import dataclass, field
 
 from scheduler.checks import check_bool, check_int, is_int
 from scheduler.protocol import MAX_LOGPROBS, WorkerSampling, check_sampling  # noqa: F401  (MAX_LOGPROBS: re-exported)
+
+MAX_N = 16  # choices one request may ask for (SamplingParams.n)
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed choice `index` of a request seeded with `seed` samples with: `seed` itself
+    for choice 0 (so n=1 and the first of n choices agree), else the top 63 bits of
+    blake2b("raylm-choice:{seed}:{index}"), stable across processes and runs. No seed
+    stays no seed: unseeded choices are independent random draws."""
+    if seed is None or index == 0:
+        return seed
+    digest = hashlib.blake2b(f"raylm-choice:{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 @dataclass
@@ -17,8 +32,10 @@ class SamplingParams:
     Every field is checked on construction; a bad value raises ValueError naming the
     field and the value, e.g. "top_p must be in (0, 1], got 1.5".
     temperature 0 means greedy. top_k -1 (or 0) and top_p 1 disable those filters.
-    logprobs None asks for none; n in 0..20 returns the sampled token's logprob plus the
-    n most likely tokens (computed from the model's raw distribution, before filters).
+    logprobs None asks for none; k in 0..20 returns the sampled token's logprob plus the
+    k most likely tokens (computed from the model's raw distribution, before filters).
+    n (1..MAX_N) independent choices are sampled from the one prompt, which they share in
+    the prefix cache; with a seed, choice i samples with choice_seed(seed, i).
     """
 
     max_tokens: int | None = 16  # None: as many as fit in max_model_len
@@ -33,6 +50,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    n: int = 1
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, 1, optional=True)
@@ -51,6 +69,13 @@ class SamplingParams:
         self.stop_token_ids = tuple(self.stop_token_ids)
         check_bool("ignore_eos", self.ignore_eos)
         check_bool("skip_special_tokens", self.skip_special_tokens)
+        check_int("n", self.n, 1, MAX_N)
+
+    def choice(self, index: int) -> SamplingParams:
+        """The params of choice `index` alone: n=1 and that choice's seed."""
+        if self.n == 1 and index == 0:
+            return self
+        return dataclasses.replace(self, n=1, seed=choice_seed(self.seed, index))
 
     @staticmethod
     def _normalize_stop(stop) -> tuple[str, ...]:
@@ -149,6 +174,9 @@ class Request:
             )
         if not isinstance(self.params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams (request {self.request_id!r}), got {self.params!r}")
+        if self.params.n != 1:
+            raise ValueError(f"params.n must be 1 for one scheduled request (request {self.request_id!r}), got "
+                             f"{self.params.n}; LLMHandle runs n choices as n requests (SamplingParams.choice)")
         if self.params.max_tokens is None:
             raise ValueError(f"params.max_tokens must be set before scheduling (request {self.request_id!r}); "
                              "the engine resolves None to what fits in max_model_len")

@@ -4,8 +4,6 @@ official openai client, and cluster.connect() from another handle."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 
 import httpx
@@ -14,44 +12,18 @@ import pytest
 
 import cluster
 from cluster import SamplingParams
-from cluster.engine_actor import launch_detached
-from cluster.server import ServerState, build_app
+from tests.cluster.conftest import SERVED_MODEL
 
 pytestmark = pytest.mark.ray
 
 KEY = "sk-test-raylm"
-NAME = "test-engine"
-MODEL = "tiny-qwen3"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+MODEL = SERVED_MODEL
+SERVED = {"api_key": KEY, "max_body_bytes": 4096, "num_kv_blocks": 64}
 
 
 @pytest.fixture(scope="module")
-def server(ray_session):
-    import uvicorn
-
-    actor, started = launch_detached(cluster.EngineConfig(num_kv_blocks=64, threads_per_worker=1), NAME)
-    state = ServerState([MODEL], KEY)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(state, max_body_bytes=4096), host="127.0.0.1", port=port,
-                                        log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    loading = httpx.get(f"{base}/health")
-    ray_session.get(started)
-    state.handle = cluster.connect(NAME)
-    yield {"base": base, "state": state, "loading_status": loading.status_code}
-    srv.should_exit = True
-    thread.join(timeout=10)
-    ray_session.kill(actor, no_restart=True)
+def server(served_engine):
+    return served_engine
 
 
 @pytest.fixture
@@ -122,7 +94,7 @@ def test_auth_is_required_on_v1(server):
 
 @pytest.mark.parametrize("field,value", [
     ("temperature", -1.0), ("top_p", 0), ("top_p", 1.5), ("top_k", -2), ("max_tokens", 0),
-    ("logprobs", 21), ("temperature", "hot"), ("stop", 5), ("n", 2), ("max_tokens", 10**6),
+    ("logprobs", 21), ("temperature", "hot"), ("stop", 5), ("n", 0), ("max_tokens", 10**6),
 ])
 def test_bad_fields_get_400_naming_the_field(server, client, field, value):
     kwargs = {"extra_body": {field: value}} if field == "top_k" else {field: value}  # top_k: a vLLM extension
@@ -158,7 +130,7 @@ def test_metrics_count_requests_by_finish_reason(server, client):
 
 
 def test_connect_gives_a_full_handle(server):
-    h = cluster.connect(NAME)
+    h = cluster.connect(server["name"])
     out = h.generate("Hello", SamplingParams(max_tokens=4, temperature=0))
     assert len(out.token_ids) == 4
     deltas = list(h.stream("Hello", SamplingParams(max_tokens=4, temperature=0)))
@@ -235,7 +207,7 @@ def test_list_prompts_return_in_input_order(server, client):
 def test_many_concurrent_streams_share_one_channel_in_order(server):
     import asyncio
 
-    h = cluster.connect(NAME)
+    h = cluster.connect(server["name"])
     prompts = [f"request {i} says" + " hello" * (i % 5) for i in range(24)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     expected = h.generate(prompts, params)
@@ -269,7 +241,8 @@ def test_a_frontend_that_goes_away_has_its_requests_aborted(server, ray_session,
     before = _aborted(server)
     script = (
         "import sys, time, cluster\n"
-        f"h = cluster.connect({NAME!r}, address={ray_session.get_runtime_context().gcs_address!r}, lease_s=2.0)\n"
+        f"h = cluster.connect({server['name']!r}, address={ray_session.get_runtime_context().gcs_address!r}, "
+        "lease_s=2.0)\n"
         "for i in range(3):\n"
         "    h._engine.add_request('Hello', cluster.SamplingParams(max_tokens=900, ignore_eos=True))\n"
         "print('submitted', flush=True)\n"
