@@ -67,11 +67,11 @@ class EngineClient:
         return self._tokenizer
 
     def add_request(self, prompt, params=None, request_id: str | None = None, loop=None,
-                    sink: RequestStream | None = None) -> RequestStream:
+                    sink: RequestStream | None = None, group: str | None = None) -> RequestStream:
         rid = request_id if request_id is not None else uuid.uuid4().hex
         if not isinstance(rid, str) or not rid:
             raise ValueError(f"request_id must be a non-empty string, got {rid!r}")
-        return self.frontend.submit(prompt, params, rid, loop, sink)
+        return self.frontend.submit(prompt, params, rid, loop, sink, group)
 
     def apply_chat_template(self, messages, tools=None, template_kwargs=None) -> str:
         return _get(self._actor.apply_chat_template.remote(messages, tools, template_kwargs))

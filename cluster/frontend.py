@@ -60,9 +60,10 @@ class Frontend:
             t.start()
 
     # ---- requests (any thread) ----
-    def submit(self, prompt, params, request_id: str, loop=None, sink: RequestStream | None = None) -> RequestStream:
+    def submit(self, prompt, params, request_id: str, loop=None, sink: RequestStream | None = None,
+               group: str | None = None) -> RequestStream:
         """Queue a submission; its deltas go to `sink` when given (a stream that several
-        requests feed: the choices of one), else to a new RequestStream."""
+        requests feed: the choices of one, which name one `group`), else to a new RequestStream."""
         stream = sink if sink is not None else RequestStream(request_id, loop)
         with self._lock:
             if self._closed:
@@ -71,7 +72,7 @@ class Frontend:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             want_lps = params is not None and params.logprobs is not None
             self._open[request_id] = _Open(stream, prompt, [] if want_lps else None)
-            self._ops.append(channel.submit_op(request_id, prompt, params))
+            self._ops.append(channel.submit_op(request_id, prompt, params, group))
             self._lock.notify()
         return stream
 

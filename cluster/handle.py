@@ -3,9 +3,10 @@ process) and a connected one (a named engine actor elsewhere in the cluster).
 
 SamplingParams(n=k) asks for k choices: the handle submits them as k engine requests
 (ids "<request_id>-<i>", params `params.choice(i)`: n=1 and choice i's seed) feeding one
-stream, so the engine and the scheduler only ever see single-choice requests. Arriving
-together with one prompt, they compute its full KV blocks once (the scheduler lets the
-later ones wait for the first's blocks and hit the prefix cache). `abort(request_id)`
+stream, so the engine and the scheduler only ever see single-choice requests. They name
+one group, so they run on one replica; arriving together with one prompt, they compute its
+full KV blocks once (the scheduler lets the later ones wait for the first's blocks and hit
+the prefix cache). `abort(request_id)`
 aborts every choice; leaving a stream early, or cancelling, aborts the unfinished ones."""
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ class LLMHandle:
         self._choice_ids[rid] = ids
         try:
             for i, cid in enumerate(ids):
-                self._engine.add_request(prompt, params.choice(i), cid, loop, sink=stream)
+                self._engine.add_request(prompt, params.choice(i), cid, loop, sink=stream, group=rid)
         except BaseException:
             self._release(stream)
             raise

@@ -1,6 +1,7 @@
 """SamplingParams(n=...) through the Python API of a launched engine: RequestOutput.outputs
 holds the n choices (vLLM's shape; the output's own fields stay choice 0's), streams tag
-deltas with their choice, the prompt is computed once, and aborts end every choice."""
+deltas with their choice, the prompt is computed once (its choices stay on one of the two
+replicas), and aborts end every choice."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ PROMPT = "Once upon a time"
 
 @pytest.fixture(scope="module")
 def llm(ray_session):
-    with cluster.launch(block_size=4, num_kv_blocks=256, threads_per_worker=1) as handle:
+    with cluster.launch(num_replicas=2, block_size=4, num_kv_blocks=256, threads_per_worker=1) as handle:
         yield handle
 
 
@@ -59,6 +60,8 @@ def test_the_prompt_is_computed_once_for_all_choices(llm):
     assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] == 2 * shared
     assert sorted(c.metrics.num_cached_tokens for c in out.outputs) == [0, shared, shared]
     assert after["kv_blocks_used"] == 0
+    computed = [a["prompt_tokens"] - b["prompt_tokens"] for a, b in zip(after["replicas"], before["replicas"])]
+    assert sorted(computed) == [0, p + 2 * (p - shared)]  # all three on one replica
 
 
 def test_greedy_choices_equal_n1(llm):
