@@ -48,7 +48,6 @@ from workers.slot_table import SlotTable
 from workers.staging import StepStaging
 from workers.step_inputs import build_step_inputs
 
-
 log = logging.getLogger(__name__)
 
 
