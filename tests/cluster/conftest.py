@@ -66,3 +66,27 @@ def served_engine(ray_session, request):
     srv.should_exit = True
     thread.join(timeout=10)
     ray_session.kill(actor, no_restart=True)
+
+
+def served_stats(server) -> dict:
+    return server["state"].handle.stats()
+
+
+def wait_until_idle(server, timeout=60) -> dict:
+    """The served engine's stats once nothing runs or waits (within `timeout` seconds)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = served_stats(server)
+        if s["num_running"] == 0 and s["num_waiting"] == 0:
+            return s
+        assert time.monotonic() < deadline, f"requests still running: {s['num_running']}"
+        time.sleep(0.05)
+
+
+def aborted_requests(server) -> float:
+    """How many requests the served engine has finished with "abort" (its /metrics)."""
+    text = httpx.get(server["base"] + "/metrics").text
+    for ln in text.splitlines():
+        if ln.startswith('raylm_requests_total{finish_reason="abort"}'):
+            return float(ln.split(" ")[1])
+    return 0.0

@@ -5,7 +5,6 @@ disconnects aborting every choice, and the 400 naming `n`."""
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 
 import httpx
@@ -13,7 +12,7 @@ import openai
 import pytest
 
 from scheduler.request import MAX_N
-from tests.cluster.conftest import SERVED_MODEL
+from tests.cluster.conftest import SERVED_MODEL, aborted_requests, served_stats, wait_until_idle
 
 pytestmark = pytest.mark.ray
 
@@ -31,20 +30,6 @@ def server(served_engine):
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=server["base"] + "/v1", api_key="unused", max_retries=0)
-
-
-def _stats(server) -> dict:
-    return server["state"].handle.stats()
-
-
-def _wait_until_idle(server, timeout=60) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = _stats(server)
-        if s["num_running"] == 0 and s["num_waiting"] == 0:
-            return s
-        assert time.monotonic() < deadline, f"requests still running: {s['num_running']}"
-        time.sleep(0.05)
 
 
 def _chat(client, **kw):
@@ -142,10 +127,10 @@ def test_list_prompts_with_n_number_choices_prompt_major(client):
 def test_choices_compute_the_prompts_full_blocks_once(server, client):
     bs = server["state"].handle.config.block_size
     prompt = "A long prompt the three choices share in the prefix cache: " + "the cat sat on the mat. " * 12
-    _wait_until_idle(server)
-    before = _stats(server)
+    wait_until_idle(server)
+    before = served_stats(server)
     r = client.completions.create(model=MODEL, prompt=prompt, n=3, **SEEDED)
-    after = _wait_until_idle(server)
+    after = wait_until_idle(server)
     p = r.usage.prompt_tokens
     shared = (p - 1) // bs * bs  # full blocks a hit may cover (never the last prompt token)
     assert shared >= 4 * bs, "the prompt must span several blocks"
@@ -173,21 +158,13 @@ def test_best_of_other_than_n_is_refused(client):
     assert e.value.body["param"] == "best_of"
 
 
-def _aborted(server) -> float:
-    text = httpx.get(server["base"] + "/metrics").text
-    for ln in text.splitlines():
-        if ln.startswith('raylm_requests_total{finish_reason="abort"}'):
-            return float(ln.split(" ")[1])
-    return 0.0
-
-
 LONG = {"model": MODEL, "prompt": "Hello", "max_tokens": 900, "temperature": 0, "ignore_eos": True, "n": 3}
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_goes_away_aborts_every_choice(server, stream):
-    _wait_until_idle(server)
-    before, tokens_before = _aborted(server), _stats(server)["generated_tokens"]
+    wait_until_idle(server)
+    before, tokens_before = aborted_requests(server), served_stats(server)["generated_tokens"]
     if stream:
         with httpx.stream("POST", server["base"] + "/v1/completions", json={**LONG, "stream": True},
                           timeout=60) as r:
@@ -195,7 +172,7 @@ def test_a_client_that_goes_away_aborts_every_choice(server, stream):
     else:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(server["base"] + "/v1/completions", json=LONG, timeout=1.5)
-    after = _wait_until_idle(server)
-    assert _aborted(server) == before + 3
+    after = wait_until_idle(server)
+    assert aborted_requests(server) == before + 3
     assert after["generated_tokens"] - tokens_before < 3 * LONG["max_tokens"]
     assert after["kv_blocks_used"] == 0

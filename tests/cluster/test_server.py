@@ -13,7 +13,7 @@ import pytest
 import cluster
 from cluster import SamplingParams
 from cluster.engine_actor import NAMESPACE
-from tests.cluster.conftest import SERVED_MODEL
+from tests.cluster.conftest import SERVED_MODEL, aborted_requests, served_stats, wait_until_idle
 from tests.oracle import hf_greedy_text
 
 pytestmark = pytest.mark.ray
@@ -184,52 +184,30 @@ def test_tokenize_and_detokenize_round_trip_as_vllm_serves_them(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
-def _stats(server) -> dict:
-    return server["state"].handle.stats()
-
-
-def _wait_until_idle(server, timeout=60) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = _stats(server)
-        if s["num_running"] == 0 and s["num_waiting"] == 0:
-            return s
-        assert time.monotonic() < deadline, f"requests still running: {s['num_running']}"
-        time.sleep(0.05)
-
-
-def _aborted(server) -> float:
-    text = httpx.get(server["base"] + "/metrics").text
-    for ln in text.splitlines():
-        if ln.startswith('raylm_requests_total{finish_reason="abort"}'):
-            return float(ln.split(" ")[1])
-    return 0.0
-
-
 LONG = {"model": MODEL, "prompt": "Hello", "max_tokens": 900, "temperature": 0, "ignore_eos": True}
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def test_a_non_streaming_client_that_gives_up_aborts_its_request(server):
-    _wait_until_idle(server)
-    before, tokens_before = _aborted(server), _stats(server)["generated_tokens"]
+    wait_until_idle(server)
+    before, tokens_before = aborted_requests(server), served_stats(server)["generated_tokens"]
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server["base"] + "/v1/completions", json=LONG, headers=AUTH, timeout=1.5)
-    after = _wait_until_idle(server)
-    assert _aborted(server) == before + 1
+    after = wait_until_idle(server)
+    assert aborted_requests(server) == before + 1
     assert after["generated_tokens"] - tokens_before < LONG["max_tokens"]
     assert after["kv_blocks_used"] == 0
 
 
 def test_a_streaming_client_that_disconnects_aborts_its_request(server):
-    _wait_until_idle(server)
-    before, tokens_before = _aborted(server), _stats(server)["generated_tokens"]
+    wait_until_idle(server)
+    before, tokens_before = aborted_requests(server), served_stats(server)["generated_tokens"]
     with httpx.stream("POST", server["base"] + "/v1/completions", json={**LONG, "stream": True}, headers=AUTH,
                       timeout=60) as r:
         first = next(r.iter_lines())
         assert first.startswith("data: ")
-    after = _wait_until_idle(server)
-    assert _aborted(server) == before + 1
+    after = wait_until_idle(server)
+    assert aborted_requests(server) == before + 1
     assert after["generated_tokens"] - tokens_before < LONG["max_tokens"]
 
 
@@ -242,7 +220,7 @@ def test_list_prompts_return_in_input_order(server, client):
     assert [c.text for c in r.choices] == one_by_one
     with pytest.raises(openai.BadRequestError, match="token ids"):  # one bad prompt fails the whole request
         client.completions.create(model=MODEL, prompt=[[5, 6, 7], [10**6]], max_tokens=8)
-    assert _wait_until_idle(server)["kv_blocks_used"] == 0
+    assert wait_until_idle(server)["kv_blocks_used"] == 0
 
 
 def test_many_concurrent_streams_share_one_channel_in_order(server):
@@ -278,8 +256,8 @@ def test_a_frontend_that_goes_away_has_its_requests_aborted(server, ray_session,
     import subprocess
     import sys
 
-    _wait_until_idle(server)
-    before = _aborted(server)
+    wait_until_idle(server)
+    before = aborted_requests(server)
     script = (
         "import sys, time, cluster\n"
         f"h = cluster.connect({server['name']!r}, address={ray_session.get_runtime_context().gcs_address!r}, "
@@ -292,12 +270,12 @@ def test_a_frontend_that_goes_away_has_its_requests_aborted(server, ray_session,
     try:
         assert proc.stdout.readline().strip() == "submitted"
         deadline = time.monotonic() + 60
-        while _stats(server)["num_running"] + _stats(server)["num_waiting"] < 3:
+        while served_stats(server)["num_running"] + served_stats(server)["num_waiting"] < 3:
             assert time.monotonic() < deadline
             time.sleep(0.05)
     finally:
         proc.kill()  # no goodbye: the engine only notices the missing heartbeat
         proc.wait()
-    after = _wait_until_idle(server)
-    assert _aborted(server) == before + 3
+    after = wait_until_idle(server)
+    assert aborted_requests(server) == before + 3
     assert after["frontends_expired"] >= 1 and after["kv_blocks_used"] == 0
