@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from scheduler.checks import check_bool, check_int, is_int
+from scheduler.grammar_spec import GrammarSpec
 from scheduler.protocol import MAX_LOGPROBS, WorkerSampling, check_sampling  # noqa: F401  (MAX_LOGPROBS: re-exported)
 
 
@@ -19,6 +20,8 @@ class SamplingParams:
     temperature 0 means greedy. top_k -1 (or 0) and top_p 1 disable those filters.
     logprobs None asks for none; n in 0..20 returns the sampled token's logprob plus the
     n most likely tokens (computed from the model's raw distribution, before filters).
+    grammar (structured output) constrains every output token to the GrammarSpec; the
+    worker masks the logits before sampling (logprobs then see the masked distribution).
     """
 
     max_tokens: int | None = 16  # None: as many as fit in max_model_len
@@ -33,6 +36,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, 1, optional=True)
@@ -51,6 +55,8 @@ class SamplingParams:
         self.stop_token_ids = tuple(self.stop_token_ids)
         check_bool("ignore_eos", self.ignore_eos)
         check_bool("skip_special_tokens", self.skip_special_tokens)
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise ValueError(f"grammar must be a GrammarSpec or None, got {self.grammar!r:.80}")
 
     @staticmethod
     def _normalize_stop(stop) -> tuple[str, ...]:
