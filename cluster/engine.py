@@ -197,6 +197,11 @@ class Engine:
                 "retry later")
         if params.stop:
             self._need_tokenizer("stop strings")
+        if params.grammar is not None:  # checked here, where input enters: the worker only compiles it
+            from workers.grammar import build_grammar
+
+            self._need_tokenizer("structured output (a grammar)")
+            build_grammar(params.grammar)
         stream = sink if sink is not None else RequestStream(request_id, loop)
         detok = _NoText() if self.tokenizer is None else IncrementalDetokenizer(
             self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop)

@@ -4,7 +4,9 @@ Bodies are parsed strictly from JSON (a string where a number belongs is an erro
 naming the field); ranges are then checked by SamplingParams, whose errors name the
 field and value. Chat requests may offer tools (tool_choice "none", "auto", "required" or a named function)
 and pass chat_template_kwargs (e.g. {"enable_thinking": false}) to the template; replies
-carry reasoning_content and tool_calls (cluster/chat_output.py). Features raylm does not
+carry reasoning_content and tool_calls (cluster/chat_output.py). response_format (json_object,
+json_schema) and a forced tool call constrain decoding with a grammar (a GrammarSpec checked
+here, compiled and applied on the worker: workers/grammar_masks.py). Features raylm does not
 have (n > 1, echo, penalties, logit_bias) are refused with a 400 that says so, never
 silently ignored."""
 
@@ -19,12 +21,49 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.outputs import RequestOutput, StreamDelta, TokenLogprob
+from scheduler.grammar_spec import GrammarSpec
 from scheduler.request import SamplingParams
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # accepted; the schema is always enforced strictly
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def grammar(self) -> GrammarSpec | None:
+        """The GrammarSpec it asks for (None for "text"); ValueError naming the field when it is
+        incomplete or its schema is not one raylm can constrain to."""
+        from workers.grammar import build_grammar, import_xgrammar  # only when a request asks
+
+        if self.type == "text":
+            return None
+        import_xgrammar(f"response_format {self.type!r}")
+        if self.type == "json_object":
+            spec = GrammarSpec("json_object")
+        elif self.json_schema is None:
+            raise ValueError('response_format.json_schema must be given when response_format.type is "json_schema"')
+        else:
+            schema = self.json_schema.schema_ if self.json_schema.schema_ is not None else {"type": "object"}
+            spec = GrammarSpec("json_schema", json.dumps(schema))
+        try:
+            build_grammar(spec)
+        except ValueError as e:
+            field = "response_format.json_schema.schema" if spec.kind == "json_schema" else "response_format"
+            raise ValueError(f"{field} is not a JSON schema raylm can constrain to: {e}") from None
+        return spec
 
 
 class _Common(BaseModel):
@@ -48,6 +87,7 @@ class _Common(BaseModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     user: str | None = None
+    response_format: ResponseFormat | None = None
 
     def unsupported(self) -> tuple[str, object] | None:
         """The first field asking for something raylm does not do, with its value."""
@@ -67,7 +107,11 @@ class _Common(BaseModel):
             min_tokens=self.min_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
             min_p=self.min_p, seed=self.seed, stop=self.stop, stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            grammar=self.grammar(),
         )
+
+    def grammar(self) -> GrammarSpec | None:
+        return self.response_format.grammar() if self.response_format is not None else None
 
     @property
     def include_usage(self) -> bool:
@@ -194,6 +238,17 @@ class ChatCompletionRequest(_Common):
         reserved = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_RESERVED)
         if reserved:
             raise ValueError(f"chat_template_kwargs may not set {reserved}: the server sets them")
+        if self.structured():
+            if self.forced_prefix():
+                raise ValueError(f"response_format {self.response_format.type!r} cannot be combined with "
+                                 f"tool_choice {_shown(choice)!r}: both constrain the whole reply")
+            if (self.chat_template_kwargs or {}).get("enable_thinking") is True:
+                raise ValueError(f"response_format {self.response_format.type!r} cannot be combined with "
+                                 "enable_thinking true: the grammar constrains the whole reply, thinking included")
+
+    def structured(self) -> bool:
+        """Whether response_format asks for structured output."""
+        return self.response_format is not None and self.response_format.type != "text"
 
     def tool_names(self) -> list[str]:
         return [t.function.name for t in self.tools or []]
@@ -214,12 +269,13 @@ class ChatCompletionRequest(_Common):
 
     def template_kwargs(self) -> dict:
         kwargs = dict(self.chat_template_kwargs or {})
-        if self.forced_prefix():
-            kwargs["enable_thinking"] = False  # the call starts right after the prompt
+        if self.forced_prefix() or self.structured():
+            kwargs["enable_thinking"] = False  # the call, or the structured reply, starts right after the prompt
         return kwargs
 
     def forced_prefix(self) -> str:
-        """The start of a tool call that "required" or a named function puts at the end of the prompt."""
+        """The start of a tool call that "required" or a named function puts at the end of the prompt
+        (the rest is constrained by cluster/tool_grammar.py's grammar, which starts where this ends)."""
         choice = self.effective_tool_choice()
         if isinstance(choice, NamedToolChoice):
             # no space after the colon: the model's tokens put it in front of the next "{"
@@ -233,6 +289,20 @@ class ChatCompletionRequest(_Common):
         if self.effective_tool_choice() != "none" and one_call:
             stop.append("</tool_call>")
         return stop
+
+    def grammar(self) -> GrammarSpec | None:
+        """response_format's grammar, or a forced tool call's (the part after forced_prefix)."""
+        choice = self.effective_tool_choice()
+        if choice == "required" or isinstance(choice, NamedToolChoice):
+            from cluster.tool_grammar import tool_call_grammar
+            from workers.grammar import xgrammar_available
+
+            if not xgrammar_available():  # as before xgrammar: the prompt forces the call's start only
+                return None
+
+            tools = [{"name": t.function.name, "parameters": t.function.parameters} for t in self.tools]
+            return tool_call_grammar(tools, choice.function.name if isinstance(choice, NamedToolChoice) else None)
+        return super().grammar()
 
     def sampling_params(self, max_tokens_default, logprobs) -> SamplingParams:
         self.check()
