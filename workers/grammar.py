@@ -16,16 +16,16 @@ from collections import OrderedDict
 
 from scheduler.grammar_spec import GrammarSpec
 
-INSTALL_HINT = "structured output needs xgrammar: pip install 'raylm[structured]'"
 CACHE_SIZE = 64  # compiled grammars kept per worker
 
 
-def import_xgrammar():
-    """The xgrammar module; ValueError saying how to install it when it is absent."""
+def import_xgrammar(purpose: str = "structured output"):
+    """The xgrammar module; ValueError naming `purpose` and saying how to install it when it is absent."""
     try:
         import xgrammar
     except ImportError as e:
-        raise ValueError(f"{INSTALL_HINT} ({e})") from None
+        raise ValueError(f"{purpose} needs xgrammar, which is not installed: pip install 'raylm[structured]' "
+                         f"({e})") from None
     return xgrammar
 
 
