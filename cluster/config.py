@@ -27,7 +27,9 @@ class EngineConfig:
     (no AVX512-BF16 or AMX), which are upcast to float32 once at load: batched steps run
     several times faster there, single-stream decode somewhat slower (it reads twice the
     bytes); pass dtype="bfloat16" to keep bf16. On the CPU the KV pool is `num_kv_blocks`
-    blocks; on accelerators it is `memory_fraction` of the device's free memory.
+    blocks (None: room for max_num_seqs sequences of max_model_len within 1 GiB, at least
+    512 blocks; workers/device.py default_cpu_blocks); on accelerators it is
+    `memory_fraction` of the device's free memory.
     `pipeline_depth` 2 dispatches step N+1 before step N returns; 1 turns that off.
     `device_outputs` None reads RAYLM_DEVICE_OUTPUTS (unset or 1: sample on the
     worker; 0: return full logits and sample on the driver, for A/B benchmarks).

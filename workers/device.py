@@ -139,6 +139,18 @@ def visible_devices_env(kind: str) -> str | None:
     return _VISIBLE_ENV[check_kind(kind)]
 
 
+CPU_KV_BYTES = 1 << 30  # what the default CPU KV pool may take, beyond its floor
+CPU_MIN_BLOCKS = 512  # the default pool's floor, whatever the block size
+
+
+def default_cpu_blocks(bytes_per_block: int, *, max_num_seqs: int, blocks_per_seq: int) -> int:
+    """The CPU KV pool when num_kv_blocks is not set: room for every slot at max_model_len
+    (more would never be used but by the prefix cache), within CPU_KV_BYTES, and never
+    fewer than CPU_MIN_BLOCKS. E.g. the bundled tiny model at 64 slots of 4,096 tokens:
+    16,384 blocks (512 MiB); a Qwen3-0.6B in fp32: 512 blocks (1.8 GiB)."""
+    return max(2, min(max_num_seqs * blocks_per_seq, max(CPU_MIN_BLOCKS, CPU_KV_BYTES // bytes_per_block)))
+
+
 def num_kv_blocks(
     device: torch.device, *, bytes_per_block: int, memory_fraction: float, cpu_blocks: int | None
 ) -> int:

@@ -22,7 +22,7 @@ import torch
 
 from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, StepResult, WorkerSampling
 from workers.block_sizes import check_npu_block_size
-from workers.device import compute_dtype, num_kv_blocks, set_cpu_threads, synchronize, torch_device
+from workers.device import compute_dtype, default_cpu_blocks, num_kv_blocks, set_cpu_threads, synchronize, torch_device
 from workers.grammar_masks import GrammarMasks
 from workers.graphs import DecodeGraphs, check_graph_sizes, default_graph_sizes, graph_device_for
 from workers.kv_cache import KVCache
@@ -48,8 +48,6 @@ from workers.slot_sampling import SlotSampling
 from workers.slot_table import SlotTable
 from workers.staging import StepStaging
 from workers.step_inputs import build_step_inputs
-
-DEFAULT_CPU_BLOCKS = 512
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +112,9 @@ class ModelRunner:
         else:
             self.num_kv_blocks = num_kv_blocks(
                 self.device, bytes_per_block=bytes_per_block, memory_fraction=config.memory_fraction,
-                cpu_blocks=config.num_kv_blocks or DEFAULT_CPU_BLOCKS)
+                cpu_blocks=config.num_kv_blocks or default_cpu_blocks(
+                    bytes_per_block, max_num_seqs=config.max_num_seqs,
+                    blocks_per_seq=-(-self.max_model_len // config.block_size)))
         self.num_kv_blocks = parallel.all_reduce_min(self.num_kv_blocks)  # one block table serves every rank
         # no captured graphs under TP: collectives stay outside graph capture
         graph_device = None if config.enforce_eager or parallel.enabled else graph_device_for(self.device)

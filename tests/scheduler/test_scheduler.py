@@ -19,9 +19,7 @@ from tests.factories import (
 
 
 def run(reqs, depth=1, **cfg):
-    sched = make_scheduler(**cfg)
-    for r in reqs:
-        sched.add_request(r)
+    sched = make_scheduler(**cfg, requests=reqs)
     runner = FakeRunner.for_scheduler(sched)
     updates = drive(sched, runner, depth=depth)
     return sched, runner, updates
@@ -155,9 +153,7 @@ def test_preemption_and_recompute_give_the_uninterrupted_sequences(depth):
 
 def test_the_newest_running_request_is_preempted():
     reqs = make_requests(3, prompt_len=4, max_tokens=12, ignore_eos=True)
-    sched = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64)
-    for r in reqs:
-        sched.add_request(r)
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64, requests=reqs)
     runner = FakeRunner.for_scheduler(sched)
     while not sched.stats()["num_preemptions"]:
         slot_of_newest = reqs[-1].slot
@@ -178,9 +174,7 @@ def test_prefills_that_together_overflow_the_pool_still_finish():
 
 def test_abort_frees_blocks_and_the_slot():
     reqs = make_requests(3, prompt_len=9, max_tokens=20, ignore_eos=True)
-    sched = make_scheduler()
-    for r in reqs:
-        sched.add_request(r)
+    sched = make_scheduler(requests=reqs)
     runner = FakeRunner.for_scheduler(sched)
     sched.update(runner.execute(sched.schedule()))
     victim = reqs[1]
@@ -199,9 +193,7 @@ def test_abort_frees_blocks_and_the_slot():
 
 def test_abort_while_waiting_removes_from_the_queue():
     reqs = make_requests(3, prompt_len=5, max_tokens=3)
-    sched = make_scheduler(max_num_seqs=1)
-    for r in reqs:
-        sched.add_request(r)
+    sched = make_scheduler(max_num_seqs=1, requests=reqs)
     assert sched.abort(reqs[2].request_id) is reqs[2]
     assert sched.num_waiting == 2
     drive(sched, FakeRunner.for_scheduler(sched))
@@ -211,9 +203,7 @@ def test_abort_while_waiting_removes_from_the_queue():
 
 def test_finished_requests_free_their_blocks_and_slots_are_reused_in_one_plan():
     reqs = make_requests(2, prompt_len=6, max_tokens=2, ignore_eos=True)
-    sched = make_scheduler(max_num_seqs=1)
-    for r in reqs:
-        sched.add_request(r)
+    sched = make_scheduler(max_num_seqs=1, requests=reqs)
     runner = FakeRunner.for_scheduler(sched)
     while not reqs[0].is_finished:
         sched.update(runner.execute(sched.schedule()))

@@ -19,9 +19,7 @@ def test_pipelined_runs_give_the_step_by_step_sequences(cfg):
     outputs, preemptions = {}, {}
     for depth in (1, 2, 3):
         reqs = workload()
-        sched = make_scheduler(**cfg)
-        for r in reqs:
-            sched.add_request(r)
+        sched = make_scheduler(**cfg, requests=reqs)
         runner = FakeRunner.for_scheduler(sched)
         drive(sched, runner, depth=depth)
         assert_matches_reference(reqs, sched.config.max_total_tokens)
@@ -38,9 +36,7 @@ def test_a_token_after_the_stopping_one_is_discarded():
     reqs = [r for r in make_requests(40, prompt_len=3, max_tokens=30)
             if reference(r.prompt_token_ids, r.params)[1] is FinishReason.STOP][:3]
     assert reqs, "the fake model should stop some prompts on EOS"
-    sched = make_scheduler()
-    for r in reqs:
-        sched.add_request(r)
+    sched = make_scheduler(requests=reqs)
     runner = FakeRunner.for_scheduler(sched)
     updates = drive(sched, runner, depth=2)
     assert_matches_reference(reqs)
@@ -70,9 +66,7 @@ def test_no_token_is_scheduled_beyond_the_limits_even_in_flight(max_tokens, max_
 
 def test_abort_with_tokens_in_flight_discards_them():
     reqs = make_requests(2, prompt_len=4, max_tokens=20, ignore_eos=True)
-    sched = make_scheduler()
-    for r in reqs:
-        sched.add_request(r)
+    sched = make_scheduler(requests=reqs)
     runner = FakeRunner.for_scheduler(sched)
     sched.update(runner.execute(sched.schedule()))
     in_flight = [runner.execute(sched.schedule()), runner.execute(sched.schedule())]
@@ -87,9 +81,7 @@ def test_abort_with_tokens_in_flight_discards_them():
 
 def test_preempted_requests_wait_for_their_tokens_in_flight():
     reqs = make_requests(4, prompt_len=4, max_tokens=24, ignore_eos=True)
-    sched = make_scheduler(num_blocks=9, block_size=4, max_num_seqs=4)
-    for r in reqs:
-        sched.add_request(r)
+    sched = make_scheduler(num_blocks=9, block_size=4, max_num_seqs=4, requests=reqs)
     runner = FakeRunner.for_scheduler(sched)
 
     def check(s, inflight):
@@ -104,9 +96,7 @@ def test_preempted_requests_wait_for_their_tokens_in_flight():
 
 def test_host_logits_mode_samples_on_the_driver():
     reqs = make_requests(3, prompt_len=lambda i: 3 + i, max_tokens=5, min_tokens=2, seed=4)
-    sched = make_scheduler()
-    for r in reqs:
-        sched.add_request(r)
+    sched = make_scheduler(requests=reqs)
     runner = FakeRunner.for_scheduler(sched)
     while sched.has_unfinished():
         plan = sched.schedule()
@@ -148,9 +138,7 @@ def test_logprobs_arrive_parallel_to_tokens():
 
 def test_bad_results_are_refused_without_changing_state():
     reqs = make_requests(2, prompt_len=4, max_tokens=6, ignore_eos=True, logprobs=1)
-    sched = make_scheduler()
-    for r in reqs:
-        sched.add_request(r)
+    sched = make_scheduler(requests=reqs)
     runner = FakeRunner.for_scheduler(sched)
     with pytest.raises(ValueError, match="no step is in flight"):
         sched.update(StepResult(0))
@@ -177,9 +165,7 @@ def test_bad_results_are_refused_without_changing_state():
 @pytest.mark.parametrize("depth", [1, 2])
 def test_recover_recomputes_everything_with_the_same_outputs(depth):
     reqs = workload()
-    sched = make_scheduler(num_blocks=14, block_size=4, max_num_seqs=4)
-    for r in reqs:
-        sched.add_request(r)
+    sched = make_scheduler(num_blocks=14, block_size=4, max_num_seqs=4, requests=reqs)
     runner = FakeRunner.for_scheduler(sched)
     lost = []
     for _ in range(12):
@@ -206,9 +192,7 @@ def test_recover_recomputes_everything_with_the_same_outputs(depth):
 
 def test_fail_all_finishes_everything_with_the_message():
     reqs = make_requests(5, prompt_len=4, max_tokens=8)
-    sched = make_scheduler(max_num_seqs=2)
-    for r in reqs:
-        sched.add_request(r)
+    sched = make_scheduler(max_num_seqs=2, requests=reqs)
     runner = FakeRunner.for_scheduler(sched)
     sched.update(runner.execute(sched.schedule()))
     in_flight = runner.execute(sched.schedule())

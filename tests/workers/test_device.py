@@ -70,6 +70,17 @@ def test_kv_blocks_on_the_cpu_come_from_the_block_count():
         dev.num_kv_blocks(cpu, bytes_per_block=0, memory_fraction=0.5, cpu_blocks=2)
 
 
+def test_the_default_cpu_pool_fits_every_slot_at_full_length_within_its_budget():
+    per_seq = 256  # 4,096 tokens in blocks of 16
+    small = 32 * 1024  # bytes per block of a tiny model: every slot fits
+    assert dev.default_cpu_blocks(small, max_num_seqs=64, blocks_per_seq=per_seq) == 64 * per_seq
+    big = 4 << 20  # a block of a large model: the byte budget caps it, the floor holds
+    assert dev.default_cpu_blocks(big, max_num_seqs=64, blocks_per_seq=per_seq) == dev.CPU_MIN_BLOCKS
+    mid = dev.CPU_KV_BYTES // 1000
+    assert dev.default_cpu_blocks(mid, max_num_seqs=64, blocks_per_seq=per_seq) == dev.CPU_KV_BYTES // mid
+    assert dev.default_cpu_blocks(small, max_num_seqs=1, blocks_per_seq=1) == 2  # never below two
+
+
 def test_kv_blocks_on_an_accelerator_come_from_the_memory_fraction(monkeypatch):
     total, free, per_block = 80 * 2**30, 60 * 2**30, 2**20
     monkeypatch.setattr(dev, "memory_info", lambda device: (free, total))

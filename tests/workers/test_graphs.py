@@ -11,8 +11,9 @@ import torch
 
 from tests.workers import flashinfer_emulation, npu_emulation
 from tests.workers.fake_graphs import FakeGraphDevice
-from tests.workers.table_model import TableModel
 from workers.graphs import DecodeGraphs, check_graph_sizes, default_graph_sizes
+from workers.kv_cache import KVCache
+from workers.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from workers.ops.base import AttentionMetadata
 from workers.ops.cuda import CudaOpTable
 from workers.ops.npu import NpuOpTable
@@ -46,6 +47,28 @@ def make_meta(items, num_decode: int) -> AttentionMetadata:
         query_lens_host=[n for _, _, n in items], seq_lens_host=lens)
 
 
+def small_qwen3(ops, seed: int = 0) -> Qwen3ForCausalLM:
+    """The real Qwen3 model at a toy shape, random bf16 weights, prepared for `ops`."""
+    config = Qwen3Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=10000.0)
+    model = Qwen3ForCausalLM(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # norms near 1, embeddings unit scale, linears small
+            base, scale = (1.0, 0.08) if "norm" in name else (0.0, 1.0 if "embed" in name else 0.08)
+            p.copy_(base + torch.randn(p.shape, generator=g) * scale)
+        model = model.to(torch.bfloat16)
+        model.reset_rotary()
+        model.prepare(ops)
+    return model
+
+
+def new_cache(model, num_blocks: int) -> KVCache:
+    c = model.config
+    return KVCache(num_layers=c.num_hidden_layers, num_blocks=num_blocks, block_size=BS,
+                   num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=model.dtype)
+
+
 def eager_logits(model, cache, ids, positions, meta):
     hidden = torch.empty(len(ids), model.config.hidden_size, dtype=model.dtype)
     model.embed(ids, out=hidden)
@@ -59,7 +82,7 @@ class World:
     def __init__(self, ops, device, prompts=(5, 30, 33, 3, 16), steps=5, sizes=(1, 2, 4, 8)):
         g = torch.Generator().manual_seed(7)
         self.ops = ops
-        self.model = TableModel(self.ops)
+        self.model = small_qwen3(self.ops)
         need = [(p + steps + BS - 1) // BS for p in prompts]
         self.pad_block = sum(need)
         order = torch.randperm(sum(need), generator=g).tolist()
@@ -67,7 +90,7 @@ class World:
         for n in need:
             self.tables.append(order[used:used + n])
             used += n
-        self.eager_cache = self.model.new_cache(sum(need) + 1, BS)
+        self.eager_cache = new_cache(self.model, sum(need) + 1)
         self.lens = list(prompts)
         ids = torch.randint(0, self.model.config.vocab_size, (sum(prompts),), generator=g)
         positions = torch.cat([torch.arange(p) for p in prompts])
@@ -76,7 +99,7 @@ class World:
             logits = eager_logits(self.model, self.eager_cache, ids, positions, meta)
         ends = torch.tensor(prompts).cumsum(0) - 1
         self.tokens = logits[ends].argmax(-1)  # [R] next input token of each request
-        self.graph_cache = self.model.new_cache(sum(need) + 1, BS)
+        self.graph_cache = new_cache(self.model, sum(need) + 1)
         self.graph_cache.data.copy_(self.eager_cache.data)
         self.device = device
         self.graphs = DecodeGraphs(model=self.model, attention=self.ops.attention, kv_cache=self.graph_cache,

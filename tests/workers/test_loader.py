@@ -161,6 +161,7 @@ def test_the_bundled_tokenizer_and_config_files_rebuild_byte_identical(tmp_path)
         assert (tmp_path / name).read_bytes() == (shipped / name).read_bytes(), name
 
 
+@pytest.mark.slow
 def test_training_is_deterministic(tmp_path):
     """The recipe that made the shipped weights, cut to two steps of each phase on a few documents, twice."""
     a, b = (build(tmp_path / d, steps=2, num_docs=60, anneal_steps=2, log=lambda _: None) for d in "ab")

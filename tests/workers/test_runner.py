@@ -231,7 +231,8 @@ def test_runner_reports_its_sizes():
     assert runner.vocab_size == len(load_tokenizer(bundled_model_path()))
     assert runner.max_model_len == 512 and runner.num_kv_blocks == 256
     assert runner.device == torch.device("cpu")
-    assert make_runner(num_kv_blocks=None).num_kv_blocks > 0
+    default = make_runner(num_kv_blocks=None, max_num_seqs=4, max_model_len=512)
+    assert default.num_kv_blocks == 4 * 512 // default.config.block_size  # every slot at full length
     empty = runner.execute(StepPlan(step_id=3))
     assert empty.step_id == 3 and empty.slots == [] and empty.token_ids == b""
     runner.close()

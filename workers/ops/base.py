@@ -37,6 +37,20 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_host)
 
+    def decode_block_tables(self) -> torch.Tensor:
+        """[num_decode, blocks of the longest decode row's context]: the decode rows' tables."""
+        longest = max(self.seq_lens_host[: self.num_decode])
+        return self.block_tables[: self.num_decode, : -(-longest // self.block_size)]
+
+    def prefill_chunks(self):
+        """(row, first token row, new tokens, cached tokens) of each prefill chunk: the rows
+        after the decode rows, whose new tokens follow the decode rows' in the flat batch."""
+        start = sum(self.query_lens_host[: self.num_decode])
+        for i in range(self.num_decode, self.num_seqs):
+            n = self.query_lens_host[i]
+            yield i, start, n, self.seq_lens_host[i] - n
+            start += n
+
     @property
     def max_query_len(self) -> int:
         return max(self.query_lens_host, default=0)
@@ -57,8 +71,9 @@ class AttentionBackend:
         return meta
 
     def write_kv(self, kv_cache, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        """k, v [T, KVH, D] -> the cache at meta.slot_mapping."""
-        raise NotImplementedError
+        """k, v [T, KVH, D] -> the cache at meta.slot_mapping (by default the pool's own
+        index_copy write; a backend with a fused write overrides it)."""
+        kv_cache.write(layer, k, v, meta.slot_mapping)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, layer: int,
                 meta: AttentionMetadata) -> torch.Tensor:

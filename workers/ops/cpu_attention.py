@@ -39,22 +39,12 @@ class ChunkedPagedAttention(AttentionBackend):
         bs, d = meta.block_size, meta.num_decode
         device = meta.slot_mapping.device
         if d:
-            nb = -(-max(meta.seq_lens_host[:d]) // bs)
-            meta.extra["decode_tables"] = meta.block_tables[:d, :nb]
+            meta.extra["decode_tables"] = meta.decode_block_tables()
             meta.extra["decode_lens"] = meta.seq_lens[:d].to(torch.int64)
-        chunks = []
-        start = sum(meta.query_lens_host[:d])
-        for i in range(d, meta.num_seqs):
-            n, total = meta.query_lens_host[i], meta.seq_lens_host[i]
-            cached = total - n
-            chunks.append((start, n, cached, meta.block_tables[i:i + 1, :-(-cached // bs)] if cached else None))
-            start += n
-        meta.extra["chunks"] = chunks
+        meta.extra["chunks"] = [(start, n, cached, meta.block_tables[i:i + 1, :-(-cached // bs)] if cached else None)
+                                for i, start, n, cached in meta.prefill_chunks()]
         meta.extra["key_positions"] = torch.arange(max(CHUNK_TOKENS, bs), device=device)
         return meta
-
-    def write_kv(self, kv_cache, layer, k, v, meta):
-        kv_cache.write(layer, k, v, meta.slot_mapping)
 
     def forward(self, q, k, v, kv_cache, layer, meta):
         t, num_heads, head_dim = q.shape

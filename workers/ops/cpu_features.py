@@ -32,19 +32,20 @@ def cpu_class() -> str:
     return {"avx512": "avx512f", "avx2": "avx2"}.get(capability, "other")
 
 
-def has_mkl_packed_linear() -> bool:
-    """torch.ops.mkl._mkl_linear over _mkl_reorder_linear_weight (fp32, MKL builds)."""
+def _has_ops(backend: str, namespace: str, *names: str) -> bool:
+    """torch.backends.<backend> is available and torch.ops.<namespace> has every op named."""
     try:
-        return (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-                and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
+        ops = getattr(torch.ops, namespace)
+        return getattr(torch.backends, backend).is_available() and all(hasattr(ops, n) for n in names)
     except (AttributeError, RuntimeError):
         return False
+
+
+def has_mkl_packed_linear() -> bool:
+    """torch.ops.mkl._mkl_linear over _mkl_reorder_linear_weight (fp32, MKL builds)."""
+    return _has_ops("mkl", "mkl", "_mkl_linear", "_mkl_reorder_linear_weight")
 
 
 def has_onednn_packed_linear() -> bool:
     """torch.ops.mkldnn._linear_pointwise over _reorder_linear_weight (oneDNN builds)."""
-    try:
-        return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-    except (AttributeError, RuntimeError):
-        return False
+    return _has_ops("mkldnn", "mkldnn", "_linear_pointwise", "_reorder_linear_weight")

@@ -88,12 +88,6 @@ class CudaAttentionBackend(AttentionBackend):
             self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         return self._workspace
 
-    def write_kv(self, kv_cache, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        kv_heads, dim = k.shape[1:]
-        slots = kv_cache.num_blocks * kv_cache.block_size
-        kv_cache.key(layer).view(slots, kv_heads, dim).index_copy_(0, meta.slot_mapping, k)
-        kv_cache.value(layer).view(slots, kv_heads, dim).index_copy_(0, meta.slot_mapping, v)
-
     def _plan(self, meta: AttentionMetadata, q: torch.Tensor, kv_cache_dtype: torch.dtype) -> object:
         """Plan this step's wrapper once (at the first layer); later layers reuse it."""
         x = meta.extra

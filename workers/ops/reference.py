@@ -28,33 +28,25 @@ class GatherSDPAAttention(AttentionBackend):
         bs, d = meta.block_size, meta.num_decode
         device = meta.slot_mapping.device
         if d:
-            lens = meta.seq_lens_host[:d]
-            nb = _blocks_for(max(lens), bs)
-            meta.extra["decode_tables"] = meta.block_tables[:d, :nb]  # [D, nb]
+            tables = meta.extra["decode_tables"] = meta.decode_block_tables()  # [D, nb]
+            width = tables.shape[1] * bs
             mask = None
-            if any(n != nb * bs for n in lens):
-                keys = torch.arange(nb * bs, device=device)
+            if any(n != width for n in meta.seq_lens_host[:d]):
+                keys = torch.arange(width, device=device)
                 mask = (keys[None, :] < meta.seq_lens[:d, None])[:, None, None, :]  # [D, 1, 1, nb * bs]
             meta.extra["decode_mask"] = mask
         chunks = []
-        start = sum(meta.query_lens_host[:d])
-        for i in range(d, meta.num_seqs):
-            n, total = meta.query_lens_host[i], meta.seq_lens_host[i]
-            cached = total - n
+        for i, start, n, cached in meta.prefill_chunks():
             ids = mask = None
             if cached:
-                nb = _blocks_for(total, bs)
+                nb = _blocks_for(cached + n, bs)
                 ids = meta.block_tables[i, :nb]
                 keys = torch.arange(nb * bs, device=device)
-                queries = torch.arange(cached, total, device=device)
+                queries = torch.arange(cached, cached + n, device=device)
                 mask = keys[None, :] <= queries[:, None]  # [n, nb * bs]
             chunks.append((start, n, cached, ids, mask))
-            start += n
         meta.extra["chunks"] = chunks
         return meta
-
-    def write_kv(self, kv_cache, layer, k, v, meta):
-        kv_cache.write(layer, k, v, meta.slot_mapping)
 
     def forward(self, q, k, v, kv_cache, layer, meta):
         t, num_heads, head_dim = q.shape
