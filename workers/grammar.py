@@ -12,11 +12,13 @@ not pad its output with whitespace until max_tokens runs out.
 from __future__ import annotations
 
 import json
+import os
 from collections import OrderedDict
 
 from scheduler.grammar_spec import GrammarSpec
 
 CACHE_SIZE = 64  # compiled grammars kept per worker
+COMPILE_THREADS = min(8, os.cpu_count() or 1)  # a large vocab's first compile is the slow part
 
 
 def import_xgrammar(purpose: str = "structured output"):
@@ -76,7 +78,7 @@ def _reason(e: BaseException) -> str:
 class GrammarCompilerCache:
     """Compiles specs against one tokenizer; the same spec gets the same compiled grammar."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, max_threads: int = 1,
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, max_threads: int = COMPILE_THREADS,
                  cache_size: int = CACHE_SIZE) -> None:
         xgr = import_xgrammar()
         self.xgr = xgr
