@@ -51,13 +51,12 @@ class ResponseFormat(BaseModel):
         if self.type == "text":
             return None
         import_xgrammar(f"response_format {self.type!r}")
-        if self.type == "json_object":
-            spec = GrammarSpec("json_object")
-        elif self.json_schema is None:
+        if self.type == "json_schema" and self.json_schema is None:
             raise ValueError('response_format.json_schema must be given when response_format.type is "json_schema"')
+        if self.type == "json_object" or self.json_schema.schema_ is None:  # no schema: any JSON object
+            spec = GrammarSpec("json_object")
         else:
-            schema = self.json_schema.schema_ if self.json_schema.schema_ is not None else {"type": "object"}
-            spec = GrammarSpec("json_schema", json.dumps(schema))
+            spec = GrammarSpec("json_schema", json.dumps(self.json_schema.schema_))
         try:
             build_grammar(spec)
         except ValueError as e:

@@ -63,6 +63,8 @@ def test_response_format_asks_for_its_grammar_and_thinking_goes_off():
     spec = _chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
                  ).sampling_params(16, None).grammar
     assert (spec.kind, json.loads(spec.text)) == ("json_schema", schema)
+    unnamed = _chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+    assert unnamed.sampling_params(16, None).grammar.kind == "json_object"  # no schema: any object
     completion = oa.CompletionRequest.model_validate({"model": "m", "prompt": "hi",
                                                       "response_format": {"type": "json_object"}})
     assert completion.sampling_params(16, None).grammar.kind == "json_object"
