@@ -191,6 +191,9 @@ class Engine:
             replica = self._router.pick(self.replicas, ids)
         except EngineDeadError as e:  # say when to come back
             raise EngineDeadError(str(e), self._retry_after()) from None
+        if params.grammar is not None and not replica.info.get("structured_output"):
+            raise ValueError(f"structured output needs xgrammar where the workers run, and replica {replica.index}'s "
+                             "worker has none: pip install 'raylm[structured]' on every node")
         if replica.num_waiting() >= self.config.max_waiting_requests:
             raise EngineOverloadedError(
                 f"too many waiting requests ({self.config.max_waiting_requests} on replica {replica.index}); "

@@ -11,6 +11,7 @@ not pad its output with whitespace until max_tokens runs out.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from collections import OrderedDict
@@ -37,6 +38,12 @@ def xgrammar_available() -> bool:
     except ValueError:
         return False
     return True
+
+
+def xgrammar_installed() -> bool:
+    """Whether xgrammar and what it imports are installed, without importing them (a worker
+    reports this when it starts, so the driver refuses grammars its workers cannot compile)."""
+    return all(importlib.util.find_spec(m) is not None for m in ("xgrammar", "tvm_ffi"))
 
 
 def build_grammar(spec: GrammarSpec):

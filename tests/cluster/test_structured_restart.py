@@ -1,7 +1,8 @@
-"""A worker that fails mid-request is replaced; its structured-output requests are
-recomputed from their prompt and the tokens they already have, and the rebuilt grammar
-matchers continue exactly as the lost ones would have (seeded sampling: the mask decides
-what can be drawn)."""
+"""Structured output and the worker actors: a worker that fails mid-request is replaced;
+its structured-output requests are recomputed from their prompt and the tokens they already
+have, and the rebuilt grammar matchers continue exactly as the lost ones would have (seeded
+sampling: the mask decides what can be drawn). Workers without xgrammar say so when they
+start, and the engine refuses a grammar for them instead of sending it to fail a step."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import cluster
 from cluster import SamplingParams
 from scheduler.grammar_spec import GrammarSpec
 from tests.cluster.faults import arm_fault
+from workers.actor import WORKER_ACTOR_ENV, WorkerActor
 from workers.grammar import xgrammar_available
 
 pytestmark = [pytest.mark.ray,
@@ -42,3 +44,20 @@ def test_structured_requests_survive_a_worker_restart_unchanged(ray_session, fau
     for o in again:
         assert o.finish_reason == "stop"
         jsonschema.validate(json.loads(o.text), SCHEMA)
+
+
+class WorkerWithoutXgrammar(WorkerActor):
+    """Reports what a worker on a node without raylm[structured] reports."""
+
+    def start(self, config: dict, parallel: dict | None = None) -> dict:
+        return {**super().start(config, parallel), "structured_output": False}
+
+
+def test_a_grammar_is_refused_when_the_workers_lack_xgrammar(ray_session, monkeypatch):
+    monkeypatch.setenv(WORKER_ACTOR_ENV, f"{__name__}:{WorkerWithoutXgrammar.__name__}")
+    with cluster.launch(num_kv_blocks=64, threads_per_worker=1) as llm:
+        with pytest.raises(ValueError, match=r"needs xgrammar where the workers run.*raylm\[structured\]"):
+            llm.generate("hi", SamplingParams(max_tokens=4, grammar=GrammarSpec("json_object")))
+        out = llm.generate("hi", SamplingParams(max_tokens=4, temperature=0))  # the replica keeps serving
+        stats = llm.stats()
+    assert out.token_ids and out.finish_reason in ("stop", "length") and stats["worker_restarts"] == 0
