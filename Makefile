@@ -25,10 +25,11 @@ run: venv
 	$(BIN)/raylm generate "北京故宫是" --max-tokens 128
 
 # Everything, Ray included (under 10 minutes on 2 cores): what needs no Ray runs on every core
-# (pytest-xdist), then the Ray tests share one local Ray in one process.
+# (pytest-xdist, one torch thread per worker so they do not spin against each other), then the
+# Ray tests share one local Ray in one process.
 TEST_WORKERS ?= $(shell nproc)
 test: venv
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not ray and not deploy" tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not ray and not deploy" tests
 	$(BIN)/python -m pytest -q -m "ray and not deploy" tests
 
 # vLLM's CPU build, the peer `raylm bench --compare vllm` measures against, in a venv of its own
@@ -48,7 +49,7 @@ $(PEERS_VENV)/.installed:
 
 # What needs no Ray: scheduler, workers, detokenizer, router, parsers (under a minute).
 test-fast: venv
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not ray and not deploy and not multiprocess and not slow" tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not ray and not deploy and not multiprocess and not slow" tests
 
 lint: venv
 	$(BIN)/ruff check .

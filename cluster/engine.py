@@ -22,6 +22,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from cluster.chat_template import encode_prompt, render_chat
 from cluster.config import EngineConfig
 from cluster.detokenizer import IncrementalDetokenizer
 from cluster.errors import EngineDeadError, EngineOverloadedError
@@ -125,31 +126,16 @@ class Engine:
     # ---- requests ----
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             template_kwargs: dict | None = None) -> str:
-        """The prompt text of a conversation: OpenAI-style messages (an assistant turn may carry
-        tool_calls and no content), the tools offered, and extra template variables such as
-        enable_thinking."""
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise ValueError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got {messages!r}")
-        for i, m in enumerate(messages):
-            content_ok = isinstance(m.get("content"), str) or (m.get("content") is None and m.get("tool_calls"))
-            if not isinstance(m.get("role"), str) or not content_ok:
-                raise ValueError(f"messages[{i}] needs string 'role' and 'content', got {m!r}")
-        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-            raise ValueError(f"tools must be a list of dicts, got {tools!r:.200}")
-        kwargs = dict(template_kwargs or {})
-        reserved = sorted({"messages", "tools", "add_generation_prompt", "tokenize"} & set(kwargs))
-        if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {reserved}")
+        """The prompt text of a conversation (cluster/chat_template.py)."""
         self._need_tokenizer("chat messages")
-        return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                  add_generation_prompt=True, **kwargs)
+        return render_chat(self.tokenizer, messages, tools, template_kwargs)
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
             self._need_tokenizer("text prompts")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+            return prompt, encode_prompt(self.tokenizer, prompt)
         if isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
             if not prompt:
                 raise ValueError("prompt must not be empty")

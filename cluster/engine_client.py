@@ -14,11 +14,14 @@ import uuid
 import ray
 from ray.exceptions import RayTaskError
 
+from cluster.chat_template import encode_prompt, render_chat
 from cluster.config import EngineConfig
 from cluster.engine_actor import NAMESPACE
 from cluster.frontend import Frontend
 from cluster.outbox import DEFAULT_LEASE_S
 from cluster.stream import RequestStream
+
+_UNKNOWN = object()
 
 
 def _cause(e: RayTaskError) -> BaseException:
@@ -45,6 +48,7 @@ class EngineClient:
         self.max_model_len = info["max_model_len"]
         self.vocab_size = info["vocab_size"]
         self._tokenizer = None
+        self._local_tokenizer = _UNKNOWN
         self.frontend = Frontend(actor, lease_s=lease_s)
 
     @classmethod
@@ -66,13 +70,28 @@ class EngineClient:
             self._tokenizer = load_tokenizer(self.model_path)
         return self._tokenizer
 
+    def local_tokenizer(self):
+        """The tokenizer when this process can load it (the model's files are here), else
+        None: then templates and tokenizing are left to the engine."""
+        if self._local_tokenizer is _UNKNOWN:
+            try:
+                self._local_tokenizer = self.tokenizer
+            except Exception:  # a random-weights spec, or the files live on other nodes only
+                self._local_tokenizer = None
+        return self._local_tokenizer
+
     def add_request(self, prompt, params=None, request_id: str | None = None, loop=None) -> RequestStream:
         rid = request_id if request_id is not None else uuid.uuid4().hex
         if not isinstance(rid, str) or not rid:
             raise ValueError(f"request_id must be a non-empty string, got {rid!r}")
-        return self.frontend.submit(prompt, params, rid, loop)
+        tok = self.local_tokenizer() if isinstance(prompt, str) else None
+        wire = prompt if tok is None else encode_prompt(tok, prompt)  # tokenized here, off the engine's loop
+        return self.frontend.submit(prompt, params, rid, loop, wire_prompt=wire)
 
     def apply_chat_template(self, messages, tools=None, template_kwargs=None) -> str:
+        tok = self.local_tokenizer()
+        if tok is not None:
+            return render_chat(tok, messages, tools, template_kwargs)
         return _get(self._actor.apply_chat_template.remote(messages, tools, template_kwargs))
 
     def abort(self, request_id: str) -> bool:

@@ -60,7 +60,9 @@ class Frontend:
             t.start()
 
     # ---- requests (any thread) ----
-    def submit(self, prompt, params, request_id: str, loop=None) -> RequestStream:
+    def submit(self, prompt, params, request_id: str, loop=None, wire_prompt=None) -> RequestStream:
+        """Send `wire_prompt` (default: `prompt`; token ids when tokenized here); the final
+        output names `prompt`."""
         stream = RequestStream(request_id, loop)
         with self._lock:
             if self._closed:
@@ -69,7 +71,7 @@ class Frontend:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             want_lps = params is not None and params.logprobs is not None
             self._open[request_id] = _Open(stream, prompt, [] if want_lps else None)
-            self._ops.append(channel.submit_op(request_id, prompt, params))
+            self._ops.append(channel.submit_op(request_id, prompt if wire_prompt is None else wire_prompt, params))
             self._lock.notify()
         return stream
 

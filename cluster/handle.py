@@ -28,6 +28,10 @@ class LLMHandle:
     def config(self):
         return self._engine.config
 
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
     # ---- blocking ----
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -25,6 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import openai_api as oa
+from cluster import tokenize_api as tk
 from cluster.chat_output import ChatOutput
 from cluster.errors import EngineDeadError, EngineOverloadedError
 
@@ -197,7 +198,25 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         _raise_if_failed([out])
         return oa.chat_response(rid, body.model, out, parsed)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await _parse(request, tk.TokenizeRequest, state)
+        return await _run_checked(tk.tokenize, _ready(state), body)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await _parse(request, tk.DetokenizeRequest, state)
+        return await _run_checked(tk.detokenize, _ready(state), body)
+
     return BodyLimit(ApiKeyAuth(app, state), max_body_bytes)
+
+
+async def _run_checked(fn, *args):
+    """fn(*args) off the event loop; its ValueErrors become 400s."""
+    try:
+        return await run_in_threadpool(fn, *args)
+    except Exception as e:
+        raise _from_exception(e) from e
 
 
 async def _parse(request: Request, model, state: ServerState):

@@ -14,8 +14,9 @@ import pytest
 
 import cluster
 from cluster import SamplingParams
-from cluster.engine_actor import launch_detached
+from cluster.engine_actor import NAMESPACE, launch_detached
 from cluster.server import ServerState, build_app
+from tests.oracle import hf_greedy_text
 
 pytestmark = pytest.mark.ray
 
@@ -169,6 +170,45 @@ def test_connect_gives_a_full_handle(server):
         h.generate("Hello", SamplingParams(max_tokens=10**6))
     with pytest.raises(ValueError, match="no raylm engine"):
         cluster.connect("no-such-engine")
+
+
+def test_a_connected_handle_tokenizes_and_renders_chats_as_the_engine_would(server, ray_session):
+    """connect() tokenizes text and renders chat templates in the caller's process (the
+    engine actor then sees token ids only): outputs stay HF's, templates stay the engine's."""
+    h = cluster.connect(NAME)
+    prompt = "Once upon a time"
+    out = h.generate(prompt, SamplingParams(max_tokens=8, temperature=0))
+    [want] = hf_greedy_text([prompt], 8)
+    assert out.token_ids == want[:len(out.token_ids)] and len(out.token_ids) == min(8, len(want))
+    assert out.prompt == prompt and out.prompt_token_ids == h.tokenizer.encode(prompt, add_special_tokens=False)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    actor = ray_session.get_actor(NAME, namespace=NAMESPACE)
+    for kwargs in ({}, {"enable_thinking": False}):
+        assert h.apply_chat_template(messages, None, kwargs) == ray_session.get(
+            actor.apply_chat_template.remote(messages, None, kwargs))
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set"):
+        h.apply_chat_template(messages, None, {"tokenize": True})
+    with pytest.raises(ValueError, match="prompt must not be empty"):
+        h.generate("", SamplingParams(max_tokens=2))
+
+
+def test_tokenize_and_detokenize_round_trip_as_vllm_serves_them(server):
+    base, tok = server["base"], server["state"].handle.tokenizer
+    r = httpx.post(f"{base}/tokenize", json={"model": MODEL, "prompt": "北京故宫是"})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["tokens"] == tok.encode("北京故宫是") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == server["state"].handle.max_model_len
+    back = httpx.post(f"{base}/detokenize", json={"model": MODEL, "tokens": body["tokens"]})
+    assert back.json() == {"prompt": "北京故宫是"}
+    chat = httpx.post(f"{base}/tokenize", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    want = server["state"].handle.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert tok.decode(chat.json()["tokens"]) == want
+    for path, bad, param in (("/tokenize", {"model": MODEL}, None),
+                             ("/detokenize", {"model": MODEL, "tokens": [10**9]}, None),
+                             ("/detokenize", {"model": MODEL, "tokens": "abc"}, "tokens")):
+        r = httpx.post(base + path, json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def _stats(server) -> dict:
