@@ -52,6 +52,13 @@ def _until_eos(tokens, eos):
     return tokens if n is None else tokens[:n + 1]
 
 
+def _generate(driver, eos, n=N, ids_from_logits=None):
+    """Step until every request has said EOS or has n outputs (a request past EOS is unconstrained)."""
+    reqs = list(driver.running)
+    while any(len(r.outputs) < n and not set(r.outputs) & eos for r in reqs):
+        driver.step(ids_from_logits)
+
+
 def _schema_sampling(prompt, **kw):
     return WorkerSampling(grammar=GrammarSpec("json_schema", json.dumps(SCHEMA)), grammar_start=len(prompt), **kw)
 
@@ -88,7 +95,7 @@ def test_json_schema_output_validates_and_ends_at_eos(tok, eos, resident):
     prompt = _prompt(tok, "Tell me about Paris.")
     req = driver.add(prompt, _schema_sampling(prompt))
     free = driver.add(prompt)  # the same prompt, unconstrained, in the same batch
-    driver.generate(N)
+    _generate(driver, eos)
     out = _until_eos(req.outputs, eos)
     assert out[-1] in eos
     jsonschema.validate(json.loads(tok.decode(out[:-1])), SCHEMA)
@@ -101,11 +108,12 @@ def test_host_logits_mode_masks_the_same_way(tok, eos):
     prompt = _prompt(tok, "Tell me about Paris.")
     device = PlanDriver(_runner())
     on_device = device.add(prompt, _schema_sampling(prompt))
-    device.generate(N)
+    _generate(device, eos)
     host = PlanDriver(_runner(device_outputs=False), resident=False)
     on_host = host.add(prompt, _schema_sampling(prompt))
     sampler = Sampler(torch.device("cpu"))
-    host.generate(N, lambda result: sample_host(result, [(on_host.sampling, 0)] * len(result.slots), sampler)[0])
+    _generate(host, eos, ids_from_logits=lambda result: sample_host(
+        result, [(on_host.sampling, 0)] * len(result.slots), sampler)[0])
     assert _until_eos(on_host.outputs, eos) == _until_eos(on_device.outputs, eos)
 
 
@@ -115,10 +123,10 @@ def test_a_matcher_rebuilt_after_a_restart_continues_the_same_way(tok, eos, k):
     sampling = _schema_sampling(prompt, temperature=1.0, seed=3)  # seeded: the mask decides what can be drawn
     whole = PlanDriver(_runner())
     full = whole.add(prompt, sampling)
-    whole.generate(N)
+    _generate(whole, eos)
     restarted = PlanDriver(_runner())  # a fresh worker: the request arrives with its first k outputs
     again = restarted.add(prompt + full.outputs[:k], sampling)
-    restarted.generate(N - k)
+    _generate(restarted, eos, N - k)
     assert _until_eos(full.outputs[:k] + again.outputs, eos) == _until_eos(full.outputs, eos)
     out = _until_eos(full.outputs, eos)
     assert out[-1] in eos and isinstance(json.loads(tok.decode(out[:-1])), dict)
