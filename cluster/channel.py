@@ -24,6 +24,7 @@ import msgpack
 
 from cluster.errors import EngineDeadError, EngineOverloadedError
 from cluster.outputs import RequestMetrics, RequestOutput, StreamDelta, TokenLogprob
+from scheduler.grammar_spec import GrammarSpec
 from scheduler.request import SamplingParams
 
 SUBMIT, ABORT = 0, 1
@@ -60,6 +61,12 @@ def params_from(d: dict | None) -> SamplingParams | None:
     unknown = sorted(set(d) - known)
     if unknown:
         raise ValueError(f"unknown sampling parameter(s) {unknown}")
+    grammar = d.get("grammar")
+    if isinstance(grammar, dict):  # asdict() made the nested GrammarSpec a mapping
+        try:
+            d = {**d, "grammar": GrammarSpec(**grammar)}
+        except TypeError as e:
+            raise ValueError(f"grammar must be a mapping of GrammarSpec fields, got {grammar!r:.80}: {e}") from None
     return SamplingParams(**d)
 
 

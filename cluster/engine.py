@@ -182,12 +182,20 @@ class Engine:
             replica = pinned[0] if pinned is not None and not pinned[0].dead else self._router.pick(self.replicas, ids)
         except EngineDeadError as e:  # say when to come back
             raise EngineDeadError(str(e), self._retry_after()) from None
+        if params.grammar is not None and not replica.info.get("structured_output"):
+            raise ValueError(f"structured output needs xgrammar where the workers run, and replica {replica.index}'s "
+                             "worker has none: pip install 'raylm[structured]' on every node")
         if replica.num_waiting() >= self.config.max_waiting_requests:
             raise EngineOverloadedError(
                 f"too many waiting requests ({self.config.max_waiting_requests} on replica {replica.index}); "
                 "retry later")
         if params.stop:
             self._need_tokenizer("stop strings")
+        if params.grammar is not None:  # checked here, where input enters: the worker only compiles it
+            from workers.grammar import build_grammar
+
+            self._need_tokenizer("structured output (a grammar)")
+            build_grammar(params.grammar)
         stream = sink if sink is not None else RequestStream(request_id, loop)
         detok = _NoText() if self.tokenizer is None else IncrementalDetokenizer(
             self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop)

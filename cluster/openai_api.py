@@ -4,7 +4,9 @@ Bodies are parsed strictly from JSON (a string where a number belongs is an erro
 naming the field); ranges are then checked by SamplingParams, whose errors name the
 field and value. Chat requests may offer tools (tool_choice "none", "auto", "required" or a named function)
 and pass chat_template_kwargs (e.g. {"enable_thinking": false}) to the template; replies
-carry reasoning_content and tool_calls (cluster/chat_output.py). `n` (1..16, MAX_N) asks
+carry reasoning_content and tool_calls (cluster/chat_output.py). response_format (json_object,
+json_schema) and a forced tool call constrain decoding with a grammar (a GrammarSpec checked
+here, compiled and applied on the worker: workers/grammar_masks.py). `n` (1..16, MAX_N) asks
 for n choices, indexed 0..n-1 (a list of k prompts on /v1/completions gives k*n, choice i
 of prompt p at index p*n + i, as OpenAI numbers them); with a seed, choice i samples with
 choice_seed(seed, i); usage counts each prompt once and the completion tokens of every
@@ -22,12 +24,48 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.outputs import RequestOutput, StreamDelta, TokenLogprob
+from scheduler.grammar_spec import GrammarSpec
 from scheduler.request import SamplingParams
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # accepted; the schema is always enforced strictly
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def grammar(self) -> GrammarSpec | None:
+        """The GrammarSpec it asks for (None for "text"); ValueError naming the field when it is
+        incomplete or its schema is not one raylm can constrain to."""
+        from workers.grammar import build_grammar, import_xgrammar  # only when a request asks
+
+        if self.type == "text":
+            return None
+        import_xgrammar(f"response_format {self.type!r}")
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('response_format.json_schema must be given when response_format.type is "json_schema"')
+        if self.type == "json_object" or self.json_schema.schema_ is None:  # no schema: any JSON object
+            spec = GrammarSpec("json_object")
+        else:
+            spec = GrammarSpec("json_schema", json.dumps(self.json_schema.schema_))
+        try:
+            build_grammar(spec)
+        except ValueError as e:
+            field = "response_format.json_schema.schema" if spec.kind == "json_schema" else "response_format"
+            raise ValueError(f"{field} is not a JSON schema raylm can constrain to: {e}") from None
+        return spec
 
 
 class _Common(BaseModel):
@@ -51,6 +89,7 @@ class _Common(BaseModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     user: str | None = None
+    response_format: ResponseFormat | None = None
 
     def unsupported(self) -> tuple[str, object] | None:
         """The first field asking for something raylm does not do, with its value."""
@@ -69,7 +108,11 @@ class _Common(BaseModel):
             min_p=self.min_p, seed=self.seed, stop=self.stop, stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             n=self.n,
+            grammar=self.grammar(),
         )
+
+    def grammar(self) -> GrammarSpec | None:
+        return self.response_format.grammar() if self.response_format is not None else None
 
     @property
     def include_usage(self) -> bool:
@@ -196,6 +239,17 @@ class ChatCompletionRequest(_Common):
         reserved = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_RESERVED)
         if reserved:
             raise ValueError(f"chat_template_kwargs may not set {reserved}: the server sets them")
+        if self.structured():
+            if self.forced_prefix():
+                raise ValueError(f"response_format {self.response_format.type!r} cannot be combined with "
+                                 f"tool_choice {_shown(choice)!r}: both constrain the whole reply")
+            if (self.chat_template_kwargs or {}).get("enable_thinking") is True:
+                raise ValueError(f"response_format {self.response_format.type!r} cannot be combined with "
+                                 "enable_thinking true: the grammar constrains the whole reply, thinking included")
+
+    def structured(self) -> bool:
+        """Whether response_format asks for structured output."""
+        return self.response_format is not None and self.response_format.type != "text"
 
     def tool_names(self) -> list[str]:
         return [t.function.name for t in self.tools or []]
@@ -216,12 +270,13 @@ class ChatCompletionRequest(_Common):
 
     def template_kwargs(self) -> dict:
         kwargs = dict(self.chat_template_kwargs or {})
-        if self.forced_prefix():
-            kwargs["enable_thinking"] = False  # the call starts right after the prompt
+        if self.forced_prefix() or self.structured():
+            kwargs["enable_thinking"] = False  # the call, or the structured reply, starts right after the prompt
         return kwargs
 
     def forced_prefix(self) -> str:
-        """The start of a tool call that "required" or a named function puts at the end of the prompt."""
+        """The start of a tool call that "required" or a named function puts at the end of the prompt
+        (the rest is constrained by cluster/tool_grammar.py's grammar, which starts where this ends)."""
         choice = self.effective_tool_choice()
         if isinstance(choice, NamedToolChoice):
             # no space after the colon: the model's tokens put it in front of the next "{"
@@ -235,6 +290,20 @@ class ChatCompletionRequest(_Common):
         if self.effective_tool_choice() != "none" and one_call:
             stop.append("</tool_call>")
         return stop
+
+    def grammar(self) -> GrammarSpec | None:
+        """response_format's grammar, or a forced tool call's (the part after forced_prefix)."""
+        choice = self.effective_tool_choice()
+        if choice == "required" or isinstance(choice, NamedToolChoice):
+            from cluster.tool_grammar import tool_call_grammar
+            from workers.grammar import xgrammar_available
+
+            if not xgrammar_available():  # as before xgrammar: the prompt forces the call's start only
+                return None
+
+            tools = [{"name": t.function.name, "parameters": t.function.parameters} for t in self.tools]
+            return tool_call_grammar(tools, choice.function.name if isinstance(choice, NamedToolChoice) else None)
+        return super().grammar()
 
     def sampling_params(self, max_tokens_default, logprobs) -> SamplingParams:
         self.check()

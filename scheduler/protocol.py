@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import msgpack
 
 from scheduler.checks import check_int, is_int, is_number
+from scheduler.grammar_spec import GrammarSpec
 
 USE_RESIDENT = -1
 PROTOCOL_VERSION = 1
@@ -83,6 +84,8 @@ class WorkerSampling:
 
     min_tokens is expressed by position: while the sampled token's position is below
     `ban_until`, the ids in `banned_ids` (EOS and stop ids) cannot be sampled.
+    A `grammar` constrains the tokens from position `grammar_start` (the first output) on;
+    after a preemption or a worker restart the worker replays the known tokens from there.
     """
 
     temperature: float = 0.0
@@ -93,6 +96,8 @@ class WorkerSampling:
     logprobs: int | None = None
     ban_until: int = 0
     banned_ids: tuple[int, ...] = ()
+    grammar: GrammarSpec | None = None
+    grammar_start: int = 0
 
     @classmethod
     def from_params(cls, params, num_prompt_tokens: int, eos_token_ids=()) -> WorkerSampling:
@@ -113,6 +118,8 @@ class WorkerSampling:
             logprobs=params.logprobs,
             ban_until=ban_until,
             banned_ids=banned,
+            grammar=params.grammar,
+            grammar_start=num_prompt_tokens if params.grammar is not None else 0,
         )
 
     @property
@@ -125,15 +132,21 @@ class WorkerSampling:
         check_int("ban_until", self.ban_until, 0)
         if not all(is_int(t) and t >= 0 for t in self.banned_ids):
             raise ValueError(f"banned_ids must be non-negative integers, got {self.banned_ids!r}")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise ValueError(f"grammar must be a GrammarSpec or None, got {self.grammar!r:.80}")
+        check_int("grammar_start", self.grammar_start, 0)
 
     def _encode(self) -> list:
+        g = self.grammar
         return [self.temperature, self.top_k, self.top_p, self.min_p, self.seed,
-                self.logprobs, self.ban_until, list(self.banned_ids)]
+                self.logprobs, self.ban_until, list(self.banned_ids),
+                None if g is None else [g.kind, g.text, self.grammar_start]]
 
     @classmethod
     def _decode(cls, a) -> WorkerSampling:
-        t, k, p, m, seed, lp, until, banned = a
-        return cls(t, k, p, m, seed, lp, until, tuple(banned))
+        t, k, p, m, seed, lp, until, banned, g = a
+        grammar, start = (None, 0) if g is None else (GrammarSpec(g[0], g[1]), g[2])
+        return cls(t, k, p, m, seed, lp, until, tuple(banned), grammar, start)
 
 
 @dataclass

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from scheduler.checks import check_bool, check_int, is_int
+from scheduler.grammar_spec import GrammarSpec
 from scheduler.protocol import MAX_LOGPROBS, WorkerSampling, check_sampling  # noqa: F401  (MAX_LOGPROBS: re-exported)
 
 MAX_N = 16  # choices one request may ask for (SamplingParams.n)
@@ -36,6 +37,8 @@ class SamplingParams:
     k most likely tokens (computed from the model's raw distribution, before filters).
     n (1..MAX_N) independent choices are sampled from the one prompt, which they share in
     the prefix cache; with a seed, choice i samples with choice_seed(seed, i).
+    grammar (structured output) constrains every output token to the GrammarSpec; the
+    worker masks the logits before sampling (logprobs then see the masked distribution).
     """
 
     max_tokens: int | None = 16  # None: as many as fit in max_model_len
@@ -51,6 +54,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     n: int = 1
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, 1, optional=True)
@@ -70,6 +74,8 @@ class SamplingParams:
         check_bool("ignore_eos", self.ignore_eos)
         check_bool("skip_special_tokens", self.skip_special_tokens)
         check_int("n", self.n, 1, MAX_N)
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise ValueError(f"grammar must be a GrammarSpec or None, got {self.grammar!r:.80}")
 
     def choice(self, index: int) -> SamplingParams:
         """The params of choice `index` alone: n=1 and that choice's seed."""

@@ -21,6 +21,7 @@ class SlotState:
     block_table: list[int]
     sampling: WorkerSampling
     has_resident: bool = False  # last_tokens[slot] holds a token this worker sampled for it
+    grammar: object = None  # workers.grammar_masks.RequestGrammar once a row with a grammar samples
 
 
 @dataclass

@@ -197,3 +197,15 @@ def test_deliver_wakes_each_event_loop_once_for_many_streams():
             await failing.aresult()
 
     asyncio.run(main())
+
+
+def test_a_grammar_crosses_as_plain_fields_and_comes_back_a_grammar_spec():
+    from scheduler.grammar_spec import GrammarSpec
+
+    sp = SamplingParams(max_tokens=5, grammar=GrammarSpec("json_schema", '{"type": "object"}'))
+    op = channel.unpack(channel.pack([channel.submit_op("r", [1, 2, 3], sp)]))[0]
+    assert channel.params_from(op[3]) == sp
+    with pytest.raises(ValueError, match="grammar kind"):
+        channel.params_from({**op[3], "grammar": {"kind": "xml", "text": ""}})
+    with pytest.raises(ValueError, match="grammar must be a mapping"):
+        channel.params_from({**op[3], "grammar": {"nonsense": 1}})
