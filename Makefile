@@ -5,6 +5,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
+# raylm[structured] without the triton that xgrammar's metadata pulls in (raylm masks logits itself)
+XGRAMMAR_PIN ?= xgrammar==0.2.9
 
 .PHONY: run test test-fast lint venv clean peers
 
@@ -13,6 +15,8 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q --no-deps "$(XGRAMMAR_PIN)"
+	$(BIN)/python -m pip install -q "apache-tvm-ffi>=0.1"
 	touch $@
 
 venv: $(BIN)/.installed

@@ -12,12 +12,12 @@ import logging
 from cluster.config import EngineConfig
 from cluster.errors import EngineDeadError, EngineOverloadedError
 from cluster.handle import LLMHandle
-from cluster.outputs import RequestMetrics, RequestOutput, StreamDelta, TokenLogprob
+from cluster.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamDelta, TokenLogprob
 from scheduler.request import SamplingParams
 
 __all__ = [
-    "launch", "connect", "LLMHandle", "EngineConfig", "SamplingParams", "RequestOutput", "StreamDelta",
-    "TokenLogprob", "RequestMetrics", "EngineOverloadedError", "EngineDeadError",
+    "launch", "connect", "LLMHandle", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
+    "StreamDelta", "TokenLogprob", "RequestMetrics", "EngineOverloadedError", "EngineDeadError",
 ]
 
 

@@ -3,7 +3,8 @@
 A frontend (the HTTP server, a `cluster.connect()` handle) talks to an EngineActor with
 two calls, each carrying many requests at once:
 
-- `push(frontend_id, ops)`: submissions `[SUBMIT, request_id, prompt, params]` and aborts
+- `push(frontend_id, ops)`: submissions `[SUBMIT, request_id, prompt, params, group]` (group:
+  None, or the id that keeps one request's choices on one replica) and aborts
   `[ABORT, request_id]`; the reply lists the submissions refused (`[request_id, kind,
   message, retry_after_s]`, kind one of REFUSALS).
 - `pull(frontend_id, wait_s)`: every delta of this frontend's requests produced since the
@@ -23,6 +24,7 @@ import msgpack
 
 from cluster.errors import EngineDeadError, EngineOverloadedError
 from cluster.outputs import RequestMetrics, RequestOutput, StreamDelta, TokenLogprob
+from scheduler.grammar_spec import GrammarSpec
 from scheduler.request import SamplingParams
 
 SUBMIT, ABORT = 0, 1
@@ -41,8 +43,8 @@ def unpack(data: bytes):
 
 
 # ---- frontend -> engine ----
-def submit_op(request_id: str, prompt, params: SamplingParams | None) -> list:
-    return [SUBMIT, request_id, prompt, None if params is None else dataclasses.asdict(params)]
+def submit_op(request_id: str, prompt, params: SamplingParams | None, group: str | None = None) -> list:
+    return [SUBMIT, request_id, prompt, None if params is None else dataclasses.asdict(params), group]
 
 
 def abort_op(request_id: str) -> list:
@@ -59,6 +61,12 @@ def params_from(d: dict | None) -> SamplingParams | None:
     unknown = sorted(set(d) - known)
     if unknown:
         raise ValueError(f"unknown sampling parameter(s) {unknown}")
+    grammar = d.get("grammar")
+    if isinstance(grammar, dict):  # asdict() made the nested GrammarSpec a mapping
+        try:
+            d = {**d, "grammar": GrammarSpec(**grammar)}
+        except TypeError as e:
+            raise ValueError(f"grammar must be a mapping of GrammarSpec fields, got {grammar!r:.80}: {e}") from None
     return SamplingParams(**d)
 
 

@@ -50,6 +50,7 @@ class _RequestState:
     # the tokens delivered so far: the replica's thread may have appended more to
     # request.output_token_ids by the time the engine finalizes (an abort)
     token_ids: list[int] = field(default_factory=list)
+    group: str | None = None  # requests of one group run on one replica (the choices of one request)
 
 
 class Engine:
@@ -64,6 +65,7 @@ class Engine:
         self.vocab_size = 0
         self.device_outputs = True
         self._lock = threading.Lock()  # guards _requests and each state's detok / stream
+        self._groups: dict[str, list] = {}  # group -> [its replica, its open requests]
         self.started_at = time.time()
         self.metrics = EngineMetrics(self.stats)
         self._router = Router(prefix_caching=config.enable_prefix_caching,
@@ -151,10 +153,12 @@ class Engine:
                              "give prompts as lists of token ids")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, loop=None, sink=None) -> RequestStream:
+                    request_id: str | None = None, loop=None, sink=None, group: str | None = None) -> RequestStream:
         """Accept a request; its deltas go to the returned RequestStream (read with `for`,
         or `async for` on `loop`), or to `sink.put(delta)` when a sink is given (a
-        frontend's outbox, shared by many requests)."""
+        frontend's outbox, shared by many requests). Requests naming one `group` (the n
+        choices of one request) go to the replica the group's first open one went to, so
+        they share the prompt's blocks there."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -176,20 +180,30 @@ class Engine:
         if request_id in self._requests:  # checked again under the lock below
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids)
+        pinned = self._groups.get(group) if group is not None else None
         try:
-            replica = self._router.pick(self.replicas, ids)
+            replica = pinned[0] if pinned is not None and not pinned[0].dead else self._router.pick(self.replicas, ids)
         except EngineDeadError as e:  # say when to come back
             raise EngineDeadError(str(e), self._retry_after()) from None
+        if params.grammar is not None and not replica.info.get("structured_output"):
+            raise ValueError(f"structured output needs xgrammar where the workers run, and replica {replica.index}'s "
+                             "worker has none: pip install 'raylm[structured]' on every node")
         if replica.num_waiting() >= self.config.max_waiting_requests:
             raise EngineOverloadedError(
                 f"too many waiting requests ({self.config.max_waiting_requests} on replica {replica.index}); "
                 "retry later")
         if params.stop:
             self._need_tokenizer("stop strings")
+        if params.grammar is not None:  # checked here, where input enters: the worker only compiles it
+            from workers.grammar import build_grammar
+
+            self._need_tokenizer("structured output (a grammar)")
+            build_grammar(params.grammar)
         stream = sink if sink is not None else RequestStream(request_id, loop)
         detok = _NoText() if self.tokenizer is None else IncrementalDetokenizer(
             self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop)
-        st = _RequestState(request, text, detok, stream, replica, [] if params.logprobs is not None else None)
+        st = _RequestState(request, text, detok, stream, replica, [] if params.logprobs is not None else None,
+                           group=group)
         with self._lock:  # held through replica.add, so an abort cannot slip in between
             if request_id in self._requests:
                 raise ValueError(f"request_id {request_id!r} is already in use")
@@ -199,6 +213,9 @@ class Engine:
             except BaseException:
                 del self._requests[request_id]
                 raise
+            if group is not None:
+                entry = self._groups.setdefault(group, [replica, 0])
+                entry[0], entry[1] = replica, entry[1] + 1
         return stream
 
     def abort(self, request_id: str) -> bool:
@@ -256,6 +273,11 @@ class Engine:
         req = st.request
         if self._requests.pop(req.request_id, None) is None:
             return
+        if st.group is not None:
+            entry = self._groups[st.group]
+            entry[1] -= 1
+            if not entry[1]:
+                del self._groups[st.group]
         if st.detok.stop_reason is not None:
             st.stop_reason = st.detok.stop_reason
         elif st.token_ids and st.token_ids[-1] in req.params.stop_token_ids:

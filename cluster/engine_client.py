@@ -80,13 +80,14 @@ class EngineClient:
                 self._local_tokenizer = None
         return self._local_tokenizer
 
-    def add_request(self, prompt, params=None, request_id: str | None = None, loop=None) -> RequestStream:
+    def add_request(self, prompt, params=None, request_id: str | None = None, loop=None,
+                    sink: RequestStream | None = None, group: str | None = None) -> RequestStream:
         rid = request_id if request_id is not None else uuid.uuid4().hex
         if not isinstance(rid, str) or not rid:
             raise ValueError(f"request_id must be a non-empty string, got {rid!r}")
         tok = self.local_tokenizer() if isinstance(prompt, str) else None
         wire = prompt if tok is None else encode_prompt(tok, prompt)  # tokenized here, off the engine's loop
-        return self.frontend.submit(prompt, params, rid, loop, wire_prompt=wire)
+        return self.frontend.submit(prompt, params, rid, loop, wire_prompt=wire, sink=sink, group=group)
 
     def apply_chat_template(self, messages, tools=None, template_kwargs=None) -> str:
         tok = self.local_tokenizer()

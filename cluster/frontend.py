@@ -60,10 +60,12 @@ class Frontend:
             t.start()
 
     # ---- requests (any thread) ----
-    def submit(self, prompt, params, request_id: str, loop=None, wire_prompt=None) -> RequestStream:
+    def submit(self, prompt, params, request_id: str, loop=None, wire_prompt=None,
+               sink: RequestStream | None = None, group: str | None = None) -> RequestStream:
         """Send `wire_prompt` (default: `prompt`; token ids when tokenized here); the final
-        output names `prompt`."""
-        stream = RequestStream(request_id, loop)
+        output names `prompt`. Deltas go to `sink` when given (a stream that several requests
+        feed: the choices of one, which name one `group`), else to a new RequestStream."""
+        stream = sink if sink is not None else RequestStream(request_id, loop)
         with self._lock:
             if self._closed:
                 raise self.error or EngineDeadError("this connection to the engine is closed")
@@ -71,7 +73,8 @@ class Frontend:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             want_lps = params is not None and params.logprobs is not None
             self._open[request_id] = _Open(stream, prompt, [] if want_lps else None)
-            self._ops.append(channel.submit_op(request_id, prompt if wire_prompt is None else wire_prompt, params))
+            wire = prompt if wire_prompt is None else wire_prompt
+            self._ops.append(channel.submit_op(request_id, wire, params, group))
             self._lock.notify()
         return stream
 

@@ -1,13 +1,23 @@
 """LLMHandle: what users hold. The same methods serve a launched engine (in this
-process) and a connected one (a named engine actor elsewhere in the cluster)."""
+process) and a connected one (a named engine actor elsewhere in the cluster).
+
+SamplingParams(n=k) asks for k choices: the handle submits them as k engine requests
+(ids "<request_id>-<i>", params `params.choice(i)`: n=1 and choice i's seed) feeding one
+stream, so the engine and the scheduler only ever see single-choice requests. They name
+one group, so they run on one replica; arriving together with one prompt, they compute its
+full KV blocks once (the scheduler lets the later ones wait for the first's blocks and hit
+the prefix cache). `abort(request_id)`
+aborts every choice; leaving a stream early, or cancelling, aborts the unfinished ones."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
+import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 from cluster.outputs import RequestOutput, StreamDelta
+from cluster.stream import RequestStream
 from scheduler.checks import is_int
 from scheduler.request import SamplingParams
 
@@ -19,6 +29,7 @@ class LLMHandle:
         self._engine = engine  # cluster.engine.Engine or cluster.engine_client.EngineClient
         self._owns_ray = owns_ray
         self._closed = False
+        self._choice_ids: dict[str, list[str]] = {}  # request id -> its choices' engine ids (n > 1), while open
 
     @property
     def tokenizer(self):
@@ -39,7 +50,11 @@ class LLMHandle:
         """A string (or one list of token ids) gives one RequestOutput; a list of prompts
         gives a list of RequestOutputs in input order."""
         if _is_single(prompts) or not isinstance(prompts, (list, tuple)):  # the engine checks its type
-            return self._engine.add_request(prompts, _one(params), request_id).result()
+            s = self._submit(prompts, params, request_id)
+            try:
+                return s.result()
+            finally:
+                self._release(s)
         prompts = list(prompts)
         if request_id is not None:
             raise ValueError("request_id applies to a single prompt; a list gets generated ids")
@@ -47,7 +62,7 @@ class LLMHandle:
         streams = []
         try:
             for p, sp in zip(prompts, per):
-                streams.append(self._engine.add_request(p, sp))
+                streams.append(self._submit(p, sp))
             bar = _progress(len(streams), use_tqdm)
             outputs = []
             for s in streams:
@@ -57,11 +72,9 @@ class LLMHandle:
             if bar is not None:
                 bar.close()
             return outputs
-        except BaseException:
+        finally:
             for s in streams:
-                if s.output is None:
-                    self._engine.abort(s.request_id)
-            raise
+                self._release(s)
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None, **kw):
         """One conversation ([{"role", "content"}, ...]) or a list of them, through the chat template."""
@@ -73,51 +86,78 @@ class LLMHandle:
                request_id: str | None = None) -> Iterator[StreamDelta]:
         """Yields StreamDeltas; the last has finish_reason set and the whole output.
         Leaving the loop early aborts the request."""
-        s = self._engine.add_request(prompt, _one(params), request_id)
+        s = self._submit(prompt, params, request_id)
         try:
             yield from s
         finally:
-            if s.output is None:
-                self._engine.abort(s.request_id)
+            self._release(s)
 
     # ---- asyncio ----
     async def agenerate(self, prompt: Prompt, params: SamplingParams | None = None, *,
                         request_id: str | None = None) -> RequestOutput:
-        s = self._engine.add_request(prompt, _one(params), request_id, asyncio.get_running_loop())
+        s = self._submit(prompt, params, request_id, asyncio.get_running_loop())
         try:
             return await s.aresult()
-        except BaseException:  # cancelled: stop generating for nobody
-            if s.output is None:
-                self._engine.abort(s.request_id)
-            raise
+        finally:  # cancelled: stop generating for nobody
+            self._release(s)
 
     async def astream(self, prompt: Prompt, params: SamplingParams | None = None, *,
                       request_id: str | None = None) -> AsyncIterator[StreamDelta]:
-        s = self._engine.add_request(prompt, _one(params), request_id, asyncio.get_running_loop())
+        s = self._submit(prompt, params, request_id, asyncio.get_running_loop())
         try:
             async for delta in s:
                 yield delta
         finally:
-            if s.output is None:
-                self._engine.abort(s.request_id)
+            self._release(s)
 
     async def astream_batches(self, prompt: Prompt, params: SamplingParams | None = None, *,
                               request_id: str | None = None) -> AsyncIterator[list[StreamDelta]]:
         """Like `astream`, but yields every delta that has arrived by the time the caller
         asks, as a list: a consumer that fell behind catches up in one go."""
-        s = self._engine.add_request(prompt, _one(params), request_id, asyncio.get_running_loop())
+        s = self._submit(prompt, params, request_id, asyncio.get_running_loop())
         try:
             async for delta in s:
-                batch = [delta] + (s.take_ready() if not delta.finished else [])
-                yield batch
-                if batch[-1].finished:
+                yield [delta] + s.take_ready()
+                if s.ended:
                     return
         finally:
-            if s.output is None:
-                self._engine.abort(s.request_id)
+            self._release(s)
 
     def abort(self, request_id: str) -> bool:
-        return self._engine.abort(request_id)
+        """Stop a request (every choice of it); False if it is not running."""
+        ids = self._choice_ids.get(request_id)
+        if ids is None:
+            return self._engine.abort(request_id)
+        return any([self._engine.abort(c) for c in ids])
+
+    def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None = None,
+                loop=None) -> RequestStream:
+        """One request's stream; n > 1 choices go to the engine as n requests feeding it."""
+        params = _one(params)
+        if params is None or params.n == 1:
+            return self._engine.add_request(prompt, params, request_id, loop)
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        if not isinstance(rid, str) or not rid:
+            raise ValueError(f"request_id must be a non-empty string, got {rid!r}")
+        if rid in self._choice_ids:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        ids = [f"{rid}-{i}" for i in range(params.n)]
+        stream = RequestStream(rid, loop, ids)
+        self._choice_ids[rid] = ids
+        try:
+            for i, cid in enumerate(ids):
+                self._engine.add_request(prompt, params.choice(i), cid, loop, sink=stream, group=rid)
+        except BaseException:
+            self._release(stream)
+            raise
+        return stream
+
+    def _release(self, s: RequestStream) -> None:
+        """Abort the choices of `s` still running (its reader stopped early) and forget it."""
+        for rid in s.unfinished_ids():
+            self._engine.abort(rid)
+        if len(s.choice_ids) > 1:
+            self._choice_ids.pop(s.request_id, None)
 
     def health(self) -> dict:
         """{"status": "ok" | "degraded" | "unavailable", "reason", "replicas": [...]}."""

@@ -4,11 +4,16 @@ Bodies are parsed strictly from JSON (a string where a number belongs is an erro
 naming the field); ranges are then checked by SamplingParams, whose errors name the
 field and value. Chat requests may offer tools (tool_choice "none", "auto", "required" or a named function)
 and pass chat_template_kwargs (e.g. {"enable_thinking": false}) to the template; replies
-carry reasoning_content and tool_calls (cluster/chat_output.py). presence_penalty,
-frequency_penalty, repetition_penalty (a vLLM extension) and logit_bias ({"token id": bias},
-at most MAX_LOGIT_BIAS entries) are applied on the worker's device (workers/penalties.py).
-Features raylm does not have (n > 1, echo) are refused with a 400 that says so, never
-silently ignored."""
+carry reasoning_content and tool_calls (cluster/chat_output.py). response_format (json_object,
+json_schema) and a forced tool call constrain decoding with a grammar (a GrammarSpec checked
+here, compiled and applied on the worker: workers/grammar_masks.py). `n` (1..16, MAX_N) asks
+for n choices, indexed 0..n-1 (a list of k prompts on /v1/completions gives k*n, choice i
+of prompt p at index p*n + i, as OpenAI numbers them); with a seed, choice i samples with
+choice_seed(seed, i); usage counts each prompt once and the completion tokens of every
+choice. presence_penalty, frequency_penalty, repetition_penalty (a vLLM extension) and logit_bias
+({"token id": bias}, at most MAX_LOGIT_BIAS entries) are applied on the worker's device
+(workers/penalties.py). Features raylm does not have (echo, best_of other than n) are
+refused with a 400 that says so, never silently ignored."""
 
 from __future__ import annotations
 
@@ -21,12 +26,48 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.outputs import RequestOutput, StreamDelta, TokenLogprob
+from scheduler.grammar_spec import GrammarSpec
 from scheduler.request import SamplingParams
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # accepted; the schema is always enforced strictly
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def grammar(self) -> GrammarSpec | None:
+        """The GrammarSpec it asks for (None for "text"); ValueError naming the field when it is
+        incomplete or its schema is not one raylm can constrain to."""
+        from workers.grammar import build_grammar, import_xgrammar  # only when a request asks
+
+        if self.type == "text":
+            return None
+        import_xgrammar(f"response_format {self.type!r}")
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('response_format.json_schema must be given when response_format.type is "json_schema"')
+        if self.type == "json_object" or self.json_schema.schema_ is None:  # no schema: any JSON object
+            spec = GrammarSpec("json_object")
+        else:
+            spec = GrammarSpec("json_schema", json.dumps(self.json_schema.schema_))
+        try:
+            build_grammar(spec)
+        except ValueError as e:
+            field = "response_format.json_schema.schema" if spec.kind == "json_schema" else "response_format"
+            raise ValueError(f"{field} is not a JSON schema raylm can constrain to: {e}") from None
+        return spec
 
 
 class _Common(BaseModel):
@@ -51,11 +92,10 @@ class _Common(BaseModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     user: str | None = None
+    response_format: ResponseFormat | None = None
 
     def unsupported(self) -> tuple[str, object] | None:
         """The first field asking for something raylm does not do, with its value."""
-        if self.n != 1:
-            return "n", self.n
         return None
 
     def sampling_params(self, max_tokens_default: int | None, logprobs: int | None) -> SamplingParams:
@@ -66,7 +106,12 @@ class _Common(BaseModel):
             ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
+            n=self.n,
+            grammar=self.grammar(),
         )
+
+    def grammar(self) -> GrammarSpec | None:
+        return self.response_format.grammar() if self.response_format is not None else None
 
     @property
     def include_usage(self) -> bool:
@@ -85,7 +130,7 @@ class CompletionRequest(_Common):
             return "echo", self.echo
         if self.suffix:
             return "suffix", self.suffix
-        if self.best_of not in (None, 1):
+        if self.best_of not in (None, self.n):  # best_of == n returns every candidate: plain n
             return "best_of", self.best_of
         return super().unsupported()
 
@@ -193,6 +238,17 @@ class ChatCompletionRequest(_Common):
         reserved = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_RESERVED)
         if reserved:
             raise ValueError(f"chat_template_kwargs may not set {reserved}: the server sets them")
+        if self.structured():
+            if self.forced_prefix():
+                raise ValueError(f"response_format {self.response_format.type!r} cannot be combined with "
+                                 f"tool_choice {_shown(choice)!r}: both constrain the whole reply")
+            if (self.chat_template_kwargs or {}).get("enable_thinking") is True:
+                raise ValueError(f"response_format {self.response_format.type!r} cannot be combined with "
+                                 "enable_thinking true: the grammar constrains the whole reply, thinking included")
+
+    def structured(self) -> bool:
+        """Whether response_format asks for structured output."""
+        return self.response_format is not None and self.response_format.type != "text"
 
     def tool_names(self) -> list[str]:
         return [t.function.name for t in self.tools or []]
@@ -213,12 +269,13 @@ class ChatCompletionRequest(_Common):
 
     def template_kwargs(self) -> dict:
         kwargs = dict(self.chat_template_kwargs or {})
-        if self.forced_prefix():
-            kwargs["enable_thinking"] = False  # the call starts right after the prompt
+        if self.forced_prefix() or self.structured():
+            kwargs["enable_thinking"] = False  # the call, or the structured reply, starts right after the prompt
         return kwargs
 
     def forced_prefix(self) -> str:
-        """The start of a tool call that "required" or a named function puts at the end of the prompt."""
+        """The start of a tool call that "required" or a named function puts at the end of the prompt
+        (the rest is constrained by cluster/tool_grammar.py's grammar, which starts where this ends)."""
         choice = self.effective_tool_choice()
         if isinstance(choice, NamedToolChoice):
             # no space after the colon: the model's tokens put it in front of the next "{"
@@ -232,6 +289,20 @@ class ChatCompletionRequest(_Common):
         if self.effective_tool_choice() != "none" and one_call:
             stop.append("</tool_call>")
         return stop
+
+    def grammar(self) -> GrammarSpec | None:
+        """response_format's grammar, or a forced tool call's (the part after forced_prefix)."""
+        choice = self.effective_tool_choice()
+        if choice == "required" or isinstance(choice, NamedToolChoice):
+            from cluster.tool_grammar import tool_call_grammar
+            from workers.grammar import xgrammar_available
+
+            if not xgrammar_available():  # as before xgrammar: the prompt forces the call's start only
+                return None
+
+            tools = [{"name": t.function.name, "parameters": t.function.parameters} for t in self.tools]
+            return tool_call_grammar(tools, choice.function.name if isinstance(choice, NamedToolChoice) else None)
+        return super().grammar()
 
     def sampling_params(self, max_tokens_default, logprobs) -> SamplingParams:
         self.check()
@@ -289,34 +360,40 @@ def chat_logprobs(lps: list[TokenLogprob] | None) -> dict | None:
 
 
 def completion_response(rid: str, model: str, outputs: list[RequestOutput]) -> dict:
-    choices = [{"index": i, "text": o.text, "logprobs": completion_logprobs(o.logprobs),
-                "finish_reason": finish_reason(o.finish_reason)} for i, o in enumerate(outputs)]
+    """One output per prompt, each with its n choices: choice i of prompt p is index p*n + i."""
+    choices = [{"index": p * len(o.outputs) + c.index, "text": c.text, "logprobs": completion_logprobs(c.logprobs),
+                "finish_reason": finish_reason(c.finish_reason)} for p, o in enumerate(outputs) for c in o.outputs]
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(sum(o.num_prompt_tokens for o in outputs),
-                                               sum(len(o.token_ids) for o in outputs))}
+                                               sum(o.num_generated_tokens for o in outputs))}
 
 
-def chat_response(rid: str, model: str, out: RequestOutput, parsed=None) -> dict:
-    """parsed: the choice's ChatOutput (reasoning and tool calls); None leaves the text as content."""
-    if parsed is None:
-        message, reason = {"role": "assistant", "content": out.text}, finish_reason(out.finish_reason)
-    else:
-        message, reason = parsed.message(out.text), finish_reason(parsed.finish_reason(out.finish_reason))
+def chat_response(rid: str, model: str, out: RequestOutput, parsers: list | None = None) -> dict:
+    """parsers: each choice's ChatOutput (reasoning and tool calls); None leaves the text as content."""
+    choices = []
+    for c in out.outputs:
+        if parsers is None:
+            message, reason = {"role": "assistant", "content": c.text}, finish_reason(c.finish_reason)
+        else:
+            parsed = parsers[c.index]
+            message, reason = parsed.message(c.text), finish_reason(parsed.finish_reason(c.finish_reason))
+        choices.append({"index": c.index, "message": message, "logprobs": chat_logprobs(c.logprobs),
+                        "finish_reason": reason})
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": chat_logprobs(out.logprobs),
-                         "finish_reason": reason}],
-            "usage": usage(out.num_prompt_tokens, len(out.token_ids))}
+            "choices": choices, "usage": usage(out.num_prompt_tokens, out.num_generated_tokens)}
 
 
 def completion_chunk(rid: str, model: str, created: int, delta: StreamDelta, text_offset: int) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": delta.text, "logprobs": completion_logprobs(delta.logprobs, text_offset),
+            "choices": [{"index": delta.index, "text": delta.text,
+                         "logprobs": completion_logprobs(delta.logprobs, text_offset),
                          "finish_reason": finish_reason(delta.finish_reason)}]}
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict, logprobs=None, reason: str | None = None) -> dict:
+def chat_chunk(rid: str, model: str, created: int, delta: dict, logprobs=None, reason: str | None = None,
+               index: int = 0) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": chat_logprobs(logprobs),
+            "choices": [{"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs),
                          "finish_reason": finish_reason(reason)}]}
 
 

@@ -121,11 +121,13 @@ class Outboxes:
             if op[0] == channel.ABORT:
                 self.engine.abort(op[1])
                 continue
-            _, rid, prompt, params = op
+            _, rid, prompt, params, group = op
             with box._lock:
                 box.requests.add(rid)
             try:
-                self.engine.add_request(prompt, channel.params_from(params), rid, sink=box)
+                if group is not None and not isinstance(group, str):
+                    raise ValueError(f"group must be a string or None, got {group!r}")
+                self.engine.add_request(prompt, channel.params_from(params), rid, sink=box, group=group)
             except Exception as e:  # bad input, a full queue, no replica: the frontend raises it
                 with box._lock:
                     box.requests.discard(rid)

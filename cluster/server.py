@@ -9,6 +9,9 @@ limit, 429 queue full, 503 not ready or no replica (with Retry-After).
 are down, and 503 `"loading"` / `"unavailable"` with the reason and each replica's state
 when none can serve. A client that disconnects, streaming or not, aborts its request.
 The list prompts of one /v1/completions request run at once; choices keep their order.
+With `n`, each prompt's n choices run at once too (sharing the prompt's KV blocks); a
+disconnect aborts all of them, and a stream interleaves their deltas, each chunk naming its
+choice's index; the usage chunk comes once, after the last choice finished.
 """
 
 from __future__ import annotations
@@ -188,15 +191,16 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         except Exception as e:
             raise _from_exception(e) from e
         rid = oa.new_id("chatcmpl")
-        parsed = ChatOutput(prompt, parse_tools=body.effective_tool_choice() != "none", forced_prefix=prefix)
+        parsers = [ChatOutput(prompt, parse_tools=body.effective_tool_choice() != "none", forced_prefix=prefix)
+                   for _ in range(body.n)]  # one per choice: a stream's parser keeps state
         if body.stream:
-            return await _stream(handle.astream_batches(prompt, params), _chat_events(rid, body, parsed))
+            return await _stream(handle.astream_batches(prompt, params), _chat_events(rid, body, parsers))
         outs = await _unless_disconnected(request, _generate_all(handle, [prompt], params))
         if outs is None:
             return Response(status_code=499)
         out = outs[0]
         _raise_if_failed([out])
-        return oa.chat_response(rid, body.model, out, parsed)
+        return oa.chat_response(rid, body.model, out, parsers)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -323,7 +327,7 @@ async def _stream(batches, render):
 
 def _completion_events(rid: str, body):
     async def render(first, batches):
-        created, offset = int(time.time()), 0
+        created, offsets, left, generated = int(time.time()), [0] * body.n, body.n, 0
         async for batch in _chain(first, batches):
             chunks = []
             for d in batch:
@@ -331,31 +335,38 @@ def _completion_events(rid: str, body):
                     chunks.append(oa.error_body(f"generation failed: {d.output.error}", "service_unavailable"))
                     yield chunks
                     return
-                chunks.append(oa.completion_chunk(rid, body.model, created, d, offset))
-                offset += len(d.text)
-                if d.finished and body.include_usage:
-                    chunks.append(oa.usage_chunk(rid, "text_completion", body.model, created,
-                                                 d.output.num_prompt_tokens, len(d.output.token_ids)))
+                chunks.append(oa.completion_chunk(rid, body.model, created, d, offsets[d.index]))
+                offsets[d.index] += len(d.text)
+                if d.finished:
+                    left, generated = left - 1, generated + len(d.output.token_ids)
+                    if not left and body.include_usage:
+                        chunks.append(oa.usage_chunk(rid, "text_completion", body.model, created,
+                                                     d.output.num_prompt_tokens, generated))
             yield chunks
     return render
 
 
-def _chat_events(rid: str, body, parsed: ChatOutput):
+def _chat_events(rid: str, body, parsers: list[ChatOutput]):
     async def render(first, batches):
-        created = int(time.time())
-        chunks = [oa.chat_chunk(rid, body.model, created, {"role": "assistant", "content": ""})]
+        created, left, generated = int(time.time()), body.n, 0
+        chunks = [oa.chat_chunk(rid, body.model, created, {"role": "assistant", "content": ""}, index=i)
+                  for i in range(body.n)]
         async for batch in _chain(first, batches):
             for d in batch:
                 if d.finish_reason == "error":
                     chunks.append(oa.error_body(f"generation failed: {d.output.error}", "service_unavailable"))
                     yield chunks
                     return
+                parsed = parsers[d.index]
                 fields = parsed.feed_last(d.text) if d.finished else parsed.feed(d.text)
                 chunks.append(oa.chat_chunk(rid, body.model, created, fields, d.logprobs,
-                                            parsed.finish_reason(d.finish_reason) if d.finished else None))
-                if d.finished and body.include_usage:
-                    chunks.append(oa.usage_chunk(rid, "chat.completion.chunk", body.model, created,
-                                                 d.output.num_prompt_tokens, len(d.output.token_ids)))
+                                            parsed.finish_reason(d.finish_reason) if d.finished else None,
+                                            index=d.index))
+                if d.finished:
+                    left, generated = left - 1, generated + len(d.output.token_ids)
+                    if not left and body.include_usage:
+                        chunks.append(oa.usage_chunk(rid, "chat.completion.chunk", body.model, created,
+                                                     d.output.num_prompt_tokens, generated))
             yield chunks
             chunks = []
     return render

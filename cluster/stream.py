@@ -3,7 +3,11 @@ a blocking reader or an asyncio task, without polling.
 
 A stream may also carry an error (a rejected submission, a lost engine): its reader
 raises it. `deliver` hands many streams their deltas with one wake-up per event loop,
-which is how a frontend fans one batch from the engine out to its requests."""
+which is how a frontend fans one batch from the engine out to its requests.
+
+A request with n choices runs as n engine requests (one per choice) that all feed one
+stream: it tags each delta with its choice's index, ends when every choice has ended, and
+its `output` gathers the choices (RequestOutput.of_choices)."""
 
 from __future__ import annotations
 
@@ -15,11 +19,17 @@ from cluster.outputs import RequestOutput, StreamDelta
 
 
 class RequestStream:
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None):
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None,
+                 choice_ids: list[str] | None = None):
         self.request_id = request_id
         self._loop = loop
         self._sync: queue.SimpleQueue | None = None if loop else queue.SimpleQueue()
         self._async: asyncio.Queue | None = asyncio.Queue() if loop else None
+        # the engine request id of each choice, when there are several
+        self.choice_ids = list(choice_ids) if choice_ids else [request_id]
+        self._index = {rid: i for i, rid in enumerate(self.choice_ids)}
+        self._choice_outputs: list[RequestOutput | None] = [None] * len(self.choice_ids)
+        self._unread = len(self.choice_ids)  # choices whose last delta the consumer has not read
         self.output: RequestOutput | None = None
         self.closed = False  # finished or failed: nothing more will come
 
@@ -36,12 +46,39 @@ class RequestStream:
     def fail(self, error: BaseException) -> None:
         self.put(error)
 
-    def _mark(self, item) -> None:
+    def _mark(self, item) -> None:  # the producer's side
         if isinstance(item, BaseException):
             self.closed = True
-        elif item.finished:
-            self.output = item.output
-            self.closed = True
+            return
+        if len(self.choice_ids) == 1:
+            if item.finished:
+                self.output = item.output
+                self.closed = True
+            return
+        i = item.index = self._index[item.request_id]
+        if item.finished:
+            self._choice_outputs[i] = item.output
+            if all(o is not None for o in self._choice_outputs):
+                self.output = RequestOutput.of_choices(self.request_id, self._choice_outputs)
+                self.closed = True
+
+    def unfinished_ids(self) -> list[str]:
+        """The engine request ids of the choices that have not finished (to abort them)."""
+        if self.output is not None:
+            return []
+        return [rid for rid, o in zip(self.choice_ids, self._choice_outputs) if o is None]
+
+    @property
+    def ended(self) -> bool:
+        """The consumer has read every choice's last delta."""
+        return self._unread == 0
+
+    def _read(self, item):  # the consumer's side
+        if isinstance(item, BaseException):
+            raise item
+        if item.finished:
+            self._unread -= 1
+        return item
 
     def pending(self) -> int:
         """Deltas put but not yet read (asyncio streams; what a consumer may take at once)."""
@@ -52,36 +89,21 @@ class RequestStream:
         """The deltas already queued, without waiting (on the consumer's side)."""
         out = []
         q = self._async if self._async is not None else self._sync
-        while not q.empty():
-            item = q.get_nowait()
-            if isinstance(item, BaseException):
-                raise item
-            out.append(item)
-            if item.finished:
-                break
+        while not self.ended and not q.empty():
+            out.append(self._read(q.get_nowait()))
         return out
 
     def __iter__(self):
         if self._sync is None:
             raise TypeError("this stream was opened for asyncio; use `async for`")
-        while True:
-            item = self._sync.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if item.finished:
-                return
+        while not self.ended:
+            yield self._read(self._sync.get())
 
     async def __aiter__(self):
         if self._async is None:
             raise TypeError("this stream was opened for blocking reads; use `for`")
-        while True:
-            item = await self._async.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if item.finished:
-                return
+        while not self.ended:
+            yield self._read(await self._async.get())
 
     def result(self) -> RequestOutput:
         if self.output is not None:

@@ -35,9 +35,10 @@ from dataclasses import dataclass, field
 import msgpack
 
 from scheduler.checks import check_int, is_int, is_number
+from scheduler.grammar_spec import GrammarSpec
 
 USE_RESIDENT = -1
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_LOGPROBS = 20  # top-n logprobs a request may ask for (SamplingParams.logprobs)
 MAX_LOGIT_BIAS = 300  # entries one request's logit_bias may hold (OpenAI's own limit)
 PENALTY_RANGE = 2.0  # presence_penalty and frequency_penalty lie in [-PENALTY_RANGE, PENALTY_RANGE]
@@ -118,6 +119,8 @@ class WorkerSampling:
     `ban_until`, the ids in `banned_ids` (EOS and stop ids) cannot be sampled.
     Penalties (workers/penalties.py) count the request's output tokens, and for
     repetition_penalty its prompt tokens too; logit_bias is (token id, bias) pairs, by id.
+    A `grammar` constrains the tokens from position `grammar_start` (the first output) on;
+    after a preemption or a worker restart the worker replays the known tokens from there.
     """
 
     temperature: float = 0.0
@@ -132,6 +135,8 @@ class WorkerSampling:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: GrammarSpec | None = None
+    grammar_start: int = 0
     # whether anything of workers/penalties.py applies to its rows: read per row per step, so
     # computed once here (the params of a request never change after it is built)
     has_penalties: bool = field(init=False, repr=False, compare=False)
@@ -162,6 +167,8 @@ class WorkerSampling:
             frequency_penalty=float(params.frequency_penalty),
             repetition_penalty=float(params.repetition_penalty),
             logit_bias=tuple(sorted((params.logit_bias or {}).items())),
+            grammar=params.grammar,
+            grammar_start=num_prompt_tokens if params.grammar is not None else 0,
         )
 
     @property
@@ -186,20 +193,25 @@ class WorkerSampling:
         if len(set(ids)) != len(ids):
             raise ValueError(f"logit_bias names a token twice: {sorted(ids)!r:.80}")
         normalize_logit_bias(dict(self.logit_bias))
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise ValueError(f"grammar must be a GrammarSpec or None, got {self.grammar!r:.80}")
+        check_int("grammar_start", self.grammar_start, 0)
 
     def _encode(self) -> list:
+        g = self.grammar
         return [self.temperature, self.top_k, self.top_p, self.min_p, self.seed,
                 self.logprobs, self.ban_until, list(self.banned_ids), self.presence_penalty,
                 self.frequency_penalty, self.repetition_penalty, [t for t, _ in self.logit_bias],
-                [b for _, b in self.logit_bias]]
+                [b for _, b in self.logit_bias], None if g is None else [g.kind, g.text, self.grammar_start]]
 
     @classmethod
     def _decode(cls, a) -> WorkerSampling:
-        t, k, p, m, seed, lp, until, banned, presence, frequency, repetition, bias_ids, biases = a
+        t, k, p, m, seed, lp, until, banned, presence, frequency, repetition, bias_ids, biases, g = a
         if len(bias_ids) != len(biases):
             raise ProtocolError(f"logit_bias has {len(bias_ids)} ids but {len(biases)} biases")
+        grammar, start = (None, 0) if g is None else (GrammarSpec(g[0], g[1]), g[2])
         return cls(t, k, p, m, seed, lp, until, tuple(banned), presence, frequency, repetition,
-                   tuple(zip(bias_ids, biases)))
+                   tuple(zip(bias_ids, biases)), grammar, start)
 
 
 @dataclass

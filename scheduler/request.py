@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import hashlib
 import time
 from dataclasses import dataclass, field
 
 from scheduler.checks import check_bool, check_int, is_int
+from scheduler.grammar_spec import GrammarSpec
 from scheduler.protocol import (  # noqa: F401  (MAX_LOGPROBS, MAX_LOGIT_BIAS: re-exported)
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -14,6 +17,19 @@ from scheduler.protocol import (  # noqa: F401  (MAX_LOGPROBS, MAX_LOGIT_BIAS: r
     check_sampling,
     normalize_logit_bias,
 )
+
+MAX_N = 16  # choices one request may ask for (SamplingParams.n)
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed choice `index` of a request seeded with `seed` samples with: `seed` itself
+    for choice 0 (so n=1 and the first of n choices agree), else the top 63 bits of
+    blake2b("raylm-choice:{seed}:{index}"), stable across processes and runs. No seed
+    stays no seed: unseeded choices are independent random draws."""
+    if seed is None or index == 0:
+        return seed
+    digest = hashlib.blake2b(f"raylm-choice:{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 @dataclass
@@ -23,8 +39,8 @@ class SamplingParams:
     Every field is checked on construction; a bad value raises ValueError naming the
     field and the value, e.g. "top_p must be in (0, 1], got 1.5".
     temperature 0 means greedy. top_k -1 (or 0) and top_p 1 disable those filters.
-    logprobs None asks for none; n in 0..20 returns the sampled token's logprob plus the
-    n most likely tokens (computed from the model's raw distribution, before filters
+    logprobs None asks for none; k in 0..20 returns the sampled token's logprob plus the
+    k most likely tokens (computed from the model's raw distribution, before filters
     and penalties).
     Penalties, as OpenAI and vLLM define them: presence_penalty and frequency_penalty in
     [-2, 2] lower a token's logit by frequency * count + presence * (count > 0), counting
@@ -33,6 +49,10 @@ class SamplingParams:
     logit_bias {token id: bias in [-100, 100]} (at most MAX_LOGIT_BIAS entries; keys may
     be decimal strings, as JSON sends them) is added to the logits first. Greedy rows get
     them too.
+    n (1..MAX_N) independent choices are sampled from the one prompt, which they share in
+    the prefix cache; with a seed, choice i samples with choice_seed(seed, i).
+    grammar (structured output) constrains every output token to the GrammarSpec; the
+    worker masks the logits before sampling (logprobs then see the masked distribution).
     """
 
     max_tokens: int | None = 16  # None: as many as fit in max_model_len
@@ -51,6 +71,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    n: int = 1
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, 1, optional=True)
@@ -70,6 +92,15 @@ class SamplingParams:
         self.stop_token_ids = tuple(self.stop_token_ids)
         check_bool("ignore_eos", self.ignore_eos)
         check_bool("skip_special_tokens", self.skip_special_tokens)
+        check_int("n", self.n, 1, MAX_N)
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise ValueError(f"grammar must be a GrammarSpec or None, got {self.grammar!r:.80}")
+
+    def choice(self, index: int) -> SamplingParams:
+        """The params of choice `index` alone: n=1 and that choice's seed."""
+        if self.n == 1 and index == 0:
+            return self
+        return dataclasses.replace(self, n=1, seed=choice_seed(self.seed, index))
 
     @staticmethod
     def _normalize_stop(stop) -> tuple[str, ...]:
@@ -149,6 +180,7 @@ class Request:
     # memo of the prefix-cache hash chain over the full blocks of all_token_ids
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
     num_published_blocks: int = field(default=0, repr=False)  # leading blocks offered to the cache
+    num_claimed_blocks: int = field(default=0, repr=False)  # leading full blocks it computes, this admission
     num_sent_tokens: int = field(default=0, repr=False)  # len(NewRequest.token_ids), this admission
     num_inflight_samples: int = field(default=0, repr=False)  # sampled by dispatched steps, not yet returned
     arrival_seq: int = field(default=-1, repr=False)  # order of add_request()
@@ -167,6 +199,9 @@ class Request:
             )
         if not isinstance(self.params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams (request {self.request_id!r}), got {self.params!r}")
+        if self.params.n != 1:
+            raise ValueError(f"params.n must be 1 for one scheduled request (request {self.request_id!r}), got "
+                             f"{self.params.n}; LLMHandle runs n choices as n requests (SamplingParams.choice)")
         if self.params.max_tokens is None:
             raise ValueError(f"params.max_tokens must be set before scheduling (request {self.request_id!r}); "
                              "the engine resolves None to what fits in max_model_len")

@@ -6,6 +6,12 @@ max_num_seqs rows and max_num_batched_tokens tokens. A decode row that finds no 
 preempts the newest running request (possibly itself): its blocks and slot are freed and
 it waits at the front of the queue to be recomputed from prompt + outputs.
 
+Prefix sharing in flight: a full block being computed by a running request is claimed under
+its chain hash until the step that fills it is confirmed and the block is published. An
+admission whose next uncached block is claimed waits (the requests behind it may pass) and
+then hits the published block, so requests arriving together with the same prompt, such as
+the n choices of one request, compute its full blocks once.
+
 num_computed_tokens advances when a row is dispatched, so schedule() may run again
 before the previous step's update() (pipelining). A decode row whose input token is
 still in flight carries USE_RESIDENT. In-flight bookkeeping names each sampling row's
@@ -19,7 +25,7 @@ import time
 from bisect import insort
 from collections import deque
 
-from scheduler.blocks import BlockManager
+from scheduler.blocks import BlockManager, extend_chain
 from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, StepResult, WorkerSampling
 from scheduler.request import FinishReason, Request, RequestStatus, RequestUpdate, SampleLogprobs
 from scheduler.scheduler_config import SchedulerConfig
@@ -57,6 +63,9 @@ class Scheduler:
         self._num_generated_tokens = 0
         self._num_preemptions = 0
         self._slots = SlotPool(config.max_num_seqs)
+        # chain hash -> the running request computing that full block (not yet published)
+        self._claims: dict[bytes, Request] = {}
+        self._num_prefix_waits = 0
 
     # ---- intake -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -178,19 +187,27 @@ class Scheduler:
 
     def _admit(self, step: Step) -> None:
         bm, bs = self.block_manager, self.config.block_size
-        while self._waiting and step.budget and self._slots.num_free:
-            req = self._waiting.peek()
+        waiting = self._waiting
+        passed: list[Request] = []  # waiting for a claimed block: back to the queue's front after
+        while waiting and step.budget and self._slots.num_free:
+            req = waiting.peek()
             if req.num_inflight_samples:
                 break  # preempted with tokens in flight: its token list is not complete yet
             tokens = req.all_token_ids
             total = len(tokens)
-            hits = bm.match_prefix(tokens, req.block_hashes, (total - 1) // bs)
+            max_hits = (total - 1) // bs
+            hits = bm.match_prefix(tokens, req.block_hashes, max_hits)
+            if self._claims and len(hits) < max_hits and req.block_hashes[len(hits)] in self._claims:
+                waiting.remove(req)  # another request is computing its next block: hit it later
+                passed.append(req)
+                self._num_prefix_waits += 1
+                continue
             hit_tokens = len(hits) * bs
             n = min(total - hit_tokens, step.budget)
             num_new = -(-(hit_tokens + n) // bs) - len(hits)
             if not bm.can_allocate(num_new, hits):
                 break
-            self._waiting.remove(req)
+            waiting.remove(req)
             bm.record_lookup(total, hit_tokens)
             bm.acquire(hits)
             req.block_ids = hits + bm.allocate(num_new)
@@ -201,12 +218,31 @@ class Scheduler:
             req.num_sent_tokens = total
             req.num_computed_tokens = req.num_cached_tokens = hit_tokens
             req.num_published_blocks = len(hits)
+            self._claim(req, total // bs)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             insort(self._running, req, key=_arrival)
             step.new_requests.append(NewRequest(req.slot, tokens, hit_tokens, list(req.block_ids), req.worker_sampling,
                                                 req.num_prompt_tokens))
             step.add_prefill_row(req, n, [])
+        for req in reversed(passed):
+            waiting.push(req, front=True)
+
+    def _claim(self, req: Request, num_full: int) -> None:
+        """Claim the full blocks the admitted request will compute, up to num_full."""
+        if not self.config.enable_prefix_caching or num_full <= req.num_published_blocks:
+            return
+        extend_chain(req.block_hashes, req.prompt_token_ids, req.output_token_ids, num_full, self.config.block_size)
+        claims = self._claims
+        for h in req.block_hashes[req.num_published_blocks:num_full]:
+            claims.setdefault(h, req)
+        req.num_claimed_blocks = num_full
+
+    def _unclaim(self, req: Request, start: int, end: int) -> None:
+        claims = self._claims
+        for h in req.block_hashes[start:min(end, req.num_claimed_blocks)]:
+            if claims.get(h) is req:
+                del claims[h]
 
     # ---- results ------------------------------------------------------------------------
     def update(self, result: StepResult) -> list[RequestUpdate]:
@@ -264,6 +300,7 @@ class Scheduler:
         if n_full > req.num_published_blocks:
             self.block_manager.publish_chain(req.block_ids, req.block_hashes, req.prompt_token_ids,
                                              req.output_token_ids, req.num_published_blocks, n_full)
+            self._unclaim(req, req.num_published_blocks, n_full)
             req.num_published_blocks = n_full
 
     # ---- ending requests ----------------------------------------------------------------
@@ -295,6 +332,7 @@ class Scheduler:
         slots; every unfinished request waits again, in arrival order, to be recomputed."""
         self._inflight.clear()
         self.block_manager.reset()
+        self._claims.clear()
         self._slots.reset()
         self._running = []
         self._waiting.clear()
@@ -328,6 +366,8 @@ class Scheduler:
         self._waiting.push(req, front=True)
 
     def _release(self, req: Request, preempted: bool) -> None:
+        self._unclaim(req, req.num_published_blocks, req.num_claimed_blocks)
+        req.num_claimed_blocks = 0
         self.block_manager.free(req.block_ids)
         req.block_ids = []
         self._slots.release(req.slot, preempted)
@@ -341,6 +381,7 @@ class Scheduler:
         req.num_sent_tokens = 0
         req.num_inflight_samples = 0
         req.num_published_blocks = 0
+        req.num_claimed_blocks = 0
 
     # ---- introspection ---------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -377,7 +418,8 @@ class Scheduler:
 
     def stats(self) -> dict:
         """Counters since start. prompt_tokens: tokens computed by prefill rows (recomputation
-        included, prefix-cache hits not); generated_tokens: tokens appended by update()."""
+        included, prefix-cache hits not); generated_tokens: tokens appended by update();
+        prefix_waits: times an admission waited for a block another request was computing."""
         bm = self.block_manager
         return {
             "steps": self._num_steps,
@@ -389,6 +431,7 @@ class Scheduler:
             "kv_blocks_used": bm.num_used,
             "kv_blocks_total": bm.num_blocks,
             "num_preemptions": self._num_preemptions,
+            "prefix_waits": self._num_prefix_waits,
             "num_running": len(self._running),
             "num_waiting": len(self._waiting),
         }

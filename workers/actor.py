@@ -20,6 +20,7 @@ import ray
 
 from scheduler.protocol import StepPlan
 from workers.device import set_cpu_threads, visible_devices_env
+from workers.grammar import xgrammar_installed
 from workers.parallel import SINGLE, ParallelConfig, TensorParallel, free_port
 from workers.runner import ModelRunner
 from workers.runner_config import RunnerConfig
@@ -57,6 +58,7 @@ class WorkerActor:
             "node_id": ray.get_runtime_context().get_node_id(),
             "hostname": socket.gethostname(),
             "tensor_parallel_rank": self.parallel.rank,
+            "structured_output": xgrammar_installed(),
         }
 
     def execute(self, plan_bytes: bytes) -> bytes:  # StepPlan bytes -> StepResult bytes

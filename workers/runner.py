@@ -23,6 +23,7 @@ import torch
 from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, StepResult, WorkerSampling
 from workers.block_sizes import check_npu_block_size
 from workers.device import compute_dtype, default_cpu_blocks, num_kv_blocks, set_cpu_threads, synchronize, torch_device
+from workers.grammar_masks import GrammarMasks
 from workers.graphs import DecodeGraphs, check_graph_sizes, default_graph_sizes, graph_device_for
 from workers.kv_cache import KVCache
 from workers.loader import (
@@ -132,6 +133,9 @@ class ModelRunner:
         self.slot_sampling = SlotSampling(config.max_num_seqs, self.device, self.vocab_size)
         self.staging = StepStaging(self.device)  # the host buffer of each step's one copy, reused
         self.device_outputs = device_outputs_enabled(config.device_outputs)
+        checkpoint = None if is_random_spec(config.model) else (config.model or bundled_model_path())
+        self.grammars = GrammarMasks(max_num_seqs=config.max_num_seqs, vocab_size=mc.vocab_size,
+                                     device=self.device, checkpoint=checkpoint)  # rank 0 samples: only it masks
         self.num_steps = 0
         self.num_tokens = 0
         self.graphs: DecodeGraphs | None = None
@@ -153,6 +157,8 @@ class ModelRunner:
         if plan.num_tokens > self.config.max_num_batched_tokens:
             raise ValueError(f"step {plan.step_id} schedules {plan.num_tokens} tokens, "
                              f"more than max_num_batched_tokens {self.config.max_num_batched_tokens}")
+        if self.parallel.rank == 0:
+            self.grammars.check_new(plan.new_requests)  # compiles before the plan changes anything
         rows = self.slots.apply(plan)
         if self.device_outputs:
             for req in plan.new_requests:
@@ -197,6 +203,8 @@ class ModelRunner:
                 return
             logits = self.outputs.get_rows("logits", b, (self.vocab_size,), torch.float32)
             logits = self.model.compute_logits(hidden, out=logits)  # [B, V]; None on TP ranks > 0
+        if logits is not None:
+            self.grammars.mask(logits, inputs.work)  # structured output: in place, before any sampling
         if not self.device_outputs:
             if logits is not None:
                 result.logits, result.logits_shape, result.logits_dtype = encode_logits(logits, self.vocab_size)
@@ -213,8 +221,10 @@ class ModelRunner:
             w.state.has_resident = True
         result.logits_shape = (b, 0)
         if logits is not None:
-            result.token_ids = ids.cpu().numpy().tobytes()  # the step's one host copy
+            host_ids = ids.cpu().numpy()  # the step's one host copy
+            result.token_ids = host_ids.tobytes()
             result.logprobs = row_logprobs(out, batch)
+            self.grammars.accept(inputs.work, host_ids.tolist())
 
     # -- lifecycle ----------------------------------------------------------------------
 

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+
+import httpx
 import pytest
 
 from workers.actor import WORKER_ACTOR_ENV
+
+SERVED_MODEL = "tiny-qwen3"  # the name the served engine answers to
 
 
 @pytest.fixture
@@ -14,3 +21,72 @@ def faulty_workers(monkeypatch):
     from tests.cluster.faults import FAULTY_WORKER
 
     monkeypatch.setenv(WORKER_ACTOR_ENV, FAULTY_WORKER)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served_engine(ray_session, request):
+    """`raylm serve` inside the test process, one per test module: a detached engine actor
+    on the bundled tiny model, the HTTP server on a free port, and its handle connected.
+
+    A module tunes it with a SERVED dict: api_key (None), max_body_bytes (the server's
+    default), num_kv_blocks (64). Yields {"base": the server's URL, "state": its
+    ServerState, "loading_status": /health's status before the engine was up, "name": the
+    engine actor's name, for cluster.connect}."""
+    import uvicorn
+
+    import cluster
+    from cluster.engine_actor import launch_detached
+    from cluster.server import DEFAULT_MAX_BODY_BYTES, ServerState, build_app
+
+    opts = {"api_key": None, "max_body_bytes": DEFAULT_MAX_BODY_BYTES, "num_kv_blocks": 64,
+            **getattr(request.module, "SERVED", {})}
+    name = "served-" + request.module.__name__.rsplit(".", 1)[-1].replace("_", "-")
+    actor, started = launch_detached(cluster.EngineConfig(num_kv_blocks=opts["num_kv_blocks"], threads_per_worker=1),
+                                     name)
+    state = ServerState([SERVED_MODEL], opts["api_key"])
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(build_app(state, max_body_bytes=opts["max_body_bytes"]), host="127.0.0.1",
+                                        port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while not srv.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    loading = httpx.get(f"{base}/health")
+    ray_session.get(started)
+    state.handle = cluster.connect(name)
+    yield {"base": base, "state": state, "loading_status": loading.status_code, "name": name}
+    srv.should_exit = True
+    thread.join(timeout=10)
+    ray_session.kill(actor, no_restart=True)
+
+
+def served_stats(server) -> dict:
+    return server["state"].handle.stats()
+
+
+def wait_until_idle(server, timeout=60) -> dict:
+    """The served engine's stats once nothing runs or waits (within `timeout` seconds)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = served_stats(server)
+        if s["num_running"] == 0 and s["num_waiting"] == 0:
+            return s
+        assert time.monotonic() < deadline, f"requests still running: {s['num_running']}"
+        time.sleep(0.05)
+
+
+def aborted_requests(server) -> float:
+    """How many requests the served engine has finished with "abort" (its /metrics)."""
+    text = httpx.get(server["base"] + "/metrics").text
+    for ln in text.splitlines():
+        if ln.startswith('raylm_requests_total{finish_reason="abort"}'):
+            return float(ln.split(" ")[1])
+    return 0.0

@@ -26,14 +26,16 @@ class FakeEngine:
         self.sinks: dict[str, object] = {}
         self.params: dict[str, SamplingParams | None] = {}
         self.aborted: list[str] = []
+        self.groups: dict[str, str | None] = {}
 
-    def add_request(self, prompt, params, request_id, sink=None):
+    def add_request(self, prompt, params, request_id, sink=None, group=None):
         if prompt == "bad":
             raise ValueError("prompt must not be bad, got 'bad'")
         if prompt == "full":
             raise EngineOverloadedError("too many waiting requests; retry later")
         self.sinks[request_id] = sink
         self.params[request_id] = params
+        self.groups[request_id] = group
         return sink
 
     def abort(self, request_id):
@@ -64,8 +66,8 @@ def test_a_finished_delta_round_trips_with_its_output_and_logprobs():
 
 def test_params_cross_as_plain_fields_and_are_validated_again():
     sp = SamplingParams(max_tokens=5, stop=["x", "y"], stop_token_ids=[3], logprobs=2, seed=4)
-    op = channel.unpack(channel.pack([channel.submit_op("r", [1, 2, 3], sp)]))[0]
-    assert channel.params_from(op[3]) == sp
+    op = channel.unpack(channel.pack([channel.submit_op("r", [1, 2, 3], sp, "parent")]))[0]
+    assert channel.params_from(op[3]) == sp and op[4] == "parent"
     with pytest.raises(ValueError, match="top_p"):
         channel.params_from({**op[3], "top_p": 5.0})
     with pytest.raises(ValueError, match="nonsense"):
@@ -89,8 +91,10 @@ def test_one_pull_carries_every_delta_of_many_requests_in_order():
         boxes.open("fe", lease_s=30)
         ops = [channel.submit_op(f"r{i}", f"p{i}", SamplingParams(max_tokens=3)) for i in range(50)]
         ops += [channel.submit_op("x", "bad", None), channel.submit_op("y", "full", None)]
+        ops += [channel.submit_op("z", "p", None, group=7)]
         refused = channel.unpack(boxes.push("fe", channel.pack(ops)))
-        assert [(r[0], r[1]) for r in refused] == [("x", "value"), ("y", "overloaded")]
+        assert [(r[0], r[1]) for r in refused] == [("x", "value"), ("y", "overloaded"), ("z", "value")]
+        assert "group" in refused[2][2]
         assert channel.refusal_error(*refused[0][1:]).args[0] == "prompt must not be bad, got 'bad'"
 
         def replica(ids):  # a replica thread producing three steps of deltas
@@ -193,3 +197,15 @@ def test_deliver_wakes_each_event_loop_once_for_many_streams():
             await failing.aresult()
 
     asyncio.run(main())
+
+
+def test_a_grammar_crosses_as_plain_fields_and_comes_back_a_grammar_spec():
+    from scheduler.grammar_spec import GrammarSpec
+
+    sp = SamplingParams(max_tokens=5, grammar=GrammarSpec("json_schema", '{"type": "object"}'))
+    op = channel.unpack(channel.pack([channel.submit_op("r", [1, 2, 3], sp)]))[0]
+    assert channel.params_from(op[3]) == sp
+    with pytest.raises(ValueError, match="grammar kind"):
+        channel.params_from({**op[3], "grammar": {"kind": "xml", "text": ""}})
+    with pytest.raises(ValueError, match="grammar must be a mapping"):
+        channel.params_from({**op[3], "grammar": {"nonsense": 1}})

@@ -6,9 +6,6 @@ calls, penalties and logit_bias, and a 400 naming the field for each bad value."
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 from collections import Counter
 
 import httpx
@@ -16,42 +13,19 @@ import openai
 import pytest
 
 import cluster
-from cluster.engine_actor import launch_detached
-from cluster.server import ServerState, build_app
+from tests.cluster.conftest import SERVED_MODEL
 from workers.tiny_model.corpus import TOOLS
 
 pytestmark = pytest.mark.ray
 
-NAME = "qwen3-api-engine"
-MODEL = "tiny-qwen3"
+MODEL = SERVED_MODEL
+SERVED = {"num_kv_blocks": 128}
 WEATHER, TIME = TOOLS["get_weather"], TOOLS["get_time"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def base(ray_session):
-    import uvicorn
-
-    actor, started = launch_detached(cluster.EngineConfig(num_kv_blocks=128, threads_per_worker=1), NAME)
-    state = ServerState([MODEL], None)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    ray_session.get(started)
-    state.handle = cluster.connect(NAME)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(timeout=10)
-    ray_session.kill(actor, no_restart=True)
+def base(served_engine):
+    return served_engine["base"]
 
 
 @pytest.fixture
@@ -189,10 +163,10 @@ def test_logit_bias_forces_a_token_under_greedy(client):
     assert banned not in tok.encode(r.choices[0].text, add_special_tokens=False)
 
 
-def test_frequency_penalty_stops_the_greedy_model_repeating_a_token(base, client):
+def test_frequency_penalty_stops_the_greedy_model_repeating_a_token(served_engine, base, client):
     """Greedy with EOS ignored, the tiny model repeats EOS; a frequency penalty lowers a token's
     logit by 2 for each time it was generated, so the most repeated token comes back less often."""
-    handle = cluster.connect(NAME)
+    handle = served_engine["state"].handle
     prompt = "The quick brown fox"
     params = dict(max_tokens=24, temperature=0.0, ignore_eos=True, skip_special_tokens=False)
     plain = handle.generate(prompt, cluster.SamplingParams(**params))

@@ -4,8 +4,6 @@ official openai client, and cluster.connect() from another handle."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 
 import httpx
@@ -14,45 +12,20 @@ import pytest
 
 import cluster
 from cluster import SamplingParams
-from cluster.engine_actor import NAMESPACE, launch_detached
-from cluster.server import ServerState, build_app
+from cluster.engine_actor import NAMESPACE
+from tests.cluster.conftest import SERVED_MODEL, aborted_requests, served_stats, wait_until_idle
 from tests.oracle import hf_greedy_text
 
 pytestmark = pytest.mark.ray
 
 KEY = "sk-test-raylm"
-NAME = "test-engine"
-MODEL = "tiny-qwen3"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+MODEL = SERVED_MODEL
+SERVED = {"api_key": KEY, "max_body_bytes": 4096, "num_kv_blocks": 64}
 
 
 @pytest.fixture(scope="module")
-def server(ray_session):
-    import uvicorn
-
-    actor, started = launch_detached(cluster.EngineConfig(num_kv_blocks=64, threads_per_worker=1), NAME)
-    state = ServerState([MODEL], KEY)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(state, max_body_bytes=4096), host="127.0.0.1", port=port,
-                                        log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    loading = httpx.get(f"{base}/health")
-    ray_session.get(started)
-    state.handle = cluster.connect(NAME)
-    yield {"base": base, "state": state, "loading_status": loading.status_code}
-    srv.should_exit = True
-    thread.join(timeout=10)
-    ray_session.kill(actor, no_restart=True)
+def server(served_engine):
+    return served_engine
 
 
 @pytest.fixture
@@ -123,7 +96,7 @@ def test_auth_is_required_on_v1(server):
 
 @pytest.mark.parametrize("field,value", [
     ("temperature", -1.0), ("top_p", 0), ("top_p", 1.5), ("top_k", -2), ("max_tokens", 0),
-    ("logprobs", 21), ("temperature", "hot"), ("stop", 5), ("n", 2), ("max_tokens", 10**6),
+    ("logprobs", 21), ("temperature", "hot"), ("stop", 5), ("n", 0), ("max_tokens", 10**6),
 ])
 def test_bad_fields_get_400_naming_the_field(server, client, field, value):
     kwargs = {"extra_body": {field: value}} if field == "top_k" else {field: value}  # top_k: a vLLM extension
@@ -159,7 +132,7 @@ def test_metrics_count_requests_by_finish_reason(server, client):
 
 
 def test_connect_gives_a_full_handle(server):
-    h = cluster.connect(NAME)
+    h = cluster.connect(server["name"])
     out = h.generate("Hello", SamplingParams(max_tokens=4, temperature=0))
     assert len(out.token_ids) == 4
     deltas = list(h.stream("Hello", SamplingParams(max_tokens=4, temperature=0)))
@@ -175,14 +148,14 @@ def test_connect_gives_a_full_handle(server):
 def test_a_connected_handle_tokenizes_and_renders_chats_as_the_engine_would(server, ray_session):
     """connect() tokenizes text and renders chat templates in the caller's process (the
     engine actor then sees token ids only): outputs stay HF's, templates stay the engine's."""
-    h = cluster.connect(NAME)
+    h = cluster.connect(server["name"])
     prompt = "Once upon a time"
     out = h.generate(prompt, SamplingParams(max_tokens=8, temperature=0))
     [want] = hf_greedy_text([prompt], 8)
     assert out.token_ids == want[:len(out.token_ids)] and len(out.token_ids) == min(8, len(want))
     assert out.prompt == prompt and out.prompt_token_ids == h.tokenizer.encode(prompt, add_special_tokens=False)
     messages = [{"role": "user", "content": "Weather in Paris?"}]
-    actor = ray_session.get_actor(NAME, namespace=NAMESPACE)
+    actor = ray_session.get_actor(server["name"], namespace=NAMESPACE)
     for kwargs in ({}, {"enable_thinking": False}):
         assert h.apply_chat_template(messages, None, kwargs) == ray_session.get(
             actor.apply_chat_template.remote(messages, None, kwargs))
@@ -211,52 +184,30 @@ def test_tokenize_and_detokenize_round_trip_as_vllm_serves_them(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
-def _stats(server) -> dict:
-    return server["state"].handle.stats()
-
-
-def _wait_until_idle(server, timeout=60) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = _stats(server)
-        if s["num_running"] == 0 and s["num_waiting"] == 0:
-            return s
-        assert time.monotonic() < deadline, f"requests still running: {s['num_running']}"
-        time.sleep(0.05)
-
-
-def _aborted(server) -> float:
-    text = httpx.get(server["base"] + "/metrics").text
-    for ln in text.splitlines():
-        if ln.startswith('raylm_requests_total{finish_reason="abort"}'):
-            return float(ln.split(" ")[1])
-    return 0.0
-
-
 LONG = {"model": MODEL, "prompt": "Hello", "max_tokens": 900, "temperature": 0, "ignore_eos": True}
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def test_a_non_streaming_client_that_gives_up_aborts_its_request(server):
-    _wait_until_idle(server)
-    before, tokens_before = _aborted(server), _stats(server)["generated_tokens"]
+    wait_until_idle(server)
+    before, tokens_before = aborted_requests(server), served_stats(server)["generated_tokens"]
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server["base"] + "/v1/completions", json=LONG, headers=AUTH, timeout=1.5)
-    after = _wait_until_idle(server)
-    assert _aborted(server) == before + 1
+    after = wait_until_idle(server)
+    assert aborted_requests(server) == before + 1
     assert after["generated_tokens"] - tokens_before < LONG["max_tokens"]
     assert after["kv_blocks_used"] == 0
 
 
 def test_a_streaming_client_that_disconnects_aborts_its_request(server):
-    _wait_until_idle(server)
-    before, tokens_before = _aborted(server), _stats(server)["generated_tokens"]
+    wait_until_idle(server)
+    before, tokens_before = aborted_requests(server), served_stats(server)["generated_tokens"]
     with httpx.stream("POST", server["base"] + "/v1/completions", json={**LONG, "stream": True}, headers=AUTH,
                       timeout=60) as r:
         first = next(r.iter_lines())
         assert first.startswith("data: ")
-    after = _wait_until_idle(server)
-    assert _aborted(server) == before + 1
+    after = wait_until_idle(server)
+    assert aborted_requests(server) == before + 1
     assert after["generated_tokens"] - tokens_before < LONG["max_tokens"]
 
 
@@ -269,13 +220,13 @@ def test_list_prompts_return_in_input_order(server, client):
     assert [c.text for c in r.choices] == one_by_one
     with pytest.raises(openai.BadRequestError, match="token ids"):  # one bad prompt fails the whole request
         client.completions.create(model=MODEL, prompt=[[5, 6, 7], [10**6]], max_tokens=8)
-    assert _wait_until_idle(server)["kv_blocks_used"] == 0
+    assert wait_until_idle(server)["kv_blocks_used"] == 0
 
 
 def test_many_concurrent_streams_share_one_channel_in_order(server):
     import asyncio
 
-    h = cluster.connect(NAME)
+    h = cluster.connect(server["name"])
     prompts = [f"request {i} says" + " hello" * (i % 5) for i in range(24)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     expected = h.generate(prompts, params)
@@ -305,11 +256,12 @@ def test_a_frontend_that_goes_away_has_its_requests_aborted(server, ray_session,
     import subprocess
     import sys
 
-    _wait_until_idle(server)
-    before = _aborted(server)
+    wait_until_idle(server)
+    before = aborted_requests(server)
     script = (
         "import sys, time, cluster\n"
-        f"h = cluster.connect({NAME!r}, address={ray_session.get_runtime_context().gcs_address!r}, lease_s=2.0)\n"
+        f"h = cluster.connect({server['name']!r}, address={ray_session.get_runtime_context().gcs_address!r}, "
+        "lease_s=2.0)\n"
         "for i in range(3):\n"
         "    h._engine.add_request('Hello', cluster.SamplingParams(max_tokens=900, ignore_eos=True))\n"
         "print('submitted', flush=True)\n"
@@ -318,12 +270,12 @@ def test_a_frontend_that_goes_away_has_its_requests_aborted(server, ray_session,
     try:
         assert proc.stdout.readline().strip() == "submitted"
         deadline = time.monotonic() + 60
-        while _stats(server)["num_running"] + _stats(server)["num_waiting"] < 3:
+        while served_stats(server)["num_running"] + served_stats(server)["num_waiting"] < 3:
             assert time.monotonic() < deadline
             time.sleep(0.05)
     finally:
         proc.kill()  # no goodbye: the engine only notices the missing heartbeat
         proc.wait()
-    after = _wait_until_idle(server)
-    assert _aborted(server) == before + 3
+    after = wait_until_idle(server)
+    assert aborted_requests(server) == before + 3
     assert after["frontends_expired"] >= 1 and after["kv_blocks_used"] == 0

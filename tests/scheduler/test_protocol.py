@@ -153,3 +153,23 @@ def test_arbitrary_bytes_never_raise_anything_but_protocol_error(data):
             decode(data)
         except ProtocolError:
             pass
+
+
+def test_a_grammar_travels_once_with_its_request_and_where_it_starts():
+    from scheduler.grammar_spec import GrammarSpec
+
+    spec = GrammarSpec("json_schema", '{"type": "object"}')
+    sampling = WorkerSampling.from_params(SamplingParams(grammar=spec), num_prompt_tokens=4)
+    assert (sampling.grammar, sampling.grammar_start) == (spec, 4)
+    plan = StepPlan(step_id=1, new_requests=[NewRequest(0, [1, 2, 3, 4], 0, [7], sampling)],
+                    rows=[ScheduledRow(0, 4, [], None)])
+    assert StepPlan.from_bytes(plan.to_bytes()) == plan
+    assert WorkerSampling.from_params(SamplingParams(), 4).grammar is None
+    with pytest.raises(ValueError, match="grammar must be a GrammarSpec"):
+        WorkerSampling(grammar="json").check()
+    with pytest.raises(ValueError, match="grammar kind must be one of"):
+        GrammarSpec("xml")
+    with pytest.raises(ValueError, match="grammar_start"):
+        WorkerSampling(grammar=spec, grammar_start=-1).check()
+    with pytest.raises(ValueError, match="json_schema grammar needs a non-empty text"):
+        GrammarSpec("json_schema", " ")

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from scheduler.protocol import WorkerSampling
-from scheduler.request import MAX_LOGPROBS, Request, SamplingParams
+from scheduler.request import MAX_LOGPROBS, MAX_N, Request, SamplingParams, choice_seed
 
 BAD_PARAMS = [
     ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 2.0), ("max_tokens", True), ("max_tokens", "8"),
@@ -24,6 +24,7 @@ BAD_PARAMS = [
     ("frequency_penalty", 2.01), ("frequency_penalty", math.nan),
     ("repetition_penalty", 0), ("repetition_penalty", -1.0), ("repetition_penalty", math.inf),
     ("logit_bias", [[5, 1.0]]), ("logit_bias", "5"),
+    ("n", 0), ("n", MAX_N + 1), ("n", 2.0), ("n", None),
 ]
 BAD_LOGIT_BIAS = [({"abc": 1}, "'abc'"), ({"-3": 1}, "'-3'"), ({5: 200}, "200"), ({"5": "1"}, "'1'"),
                   ({1.5: 1}, "1.5"), ({"7": 1, "8": -100.5}, "-100.5"), ({"5": True}, "True")]
@@ -100,3 +101,14 @@ def test_bad_request_raises_naming_the_field(prompt, field):
 def test_request_params_must_be_sampling_params():
     with pytest.raises(ValueError, match="params"):
         Request("bad", [1], params={"max_tokens": 3})
+
+
+def test_each_choice_gets_its_own_stable_seed():
+    params = SamplingParams(n=4, seed=7, temperature=1.0)
+    seeds = [params.choice(i).seed for i in range(4)]
+    assert seeds[0] == 7 and len(set(seeds)) == 4
+    assert seeds == [choice_seed(7, i) for i in range(4)]  # a pure function of (seed, index)
+    assert all(params.choice(i).n == 1 and params.choice(i).temperature == 1.0 for i in range(4))
+    assert choice_seed(8, 1) != seeds[1]
+    assert all(0 <= s < 2**63 for s in seeds)
+    assert [SamplingParams(n=3).choice(i).seed for i in range(3)] == [None] * 3

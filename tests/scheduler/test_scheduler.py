@@ -116,16 +116,16 @@ def test_concurrent_requests_share_prefix_blocks_only_once_confirmed():
     sched.add_request(a)
     result = runner.execute(sched.schedule())
     sched.add_request(b)
-    plan = sched.schedule()  # a's prefill is still in flight: nothing is cached yet
-    assert plan.new_requests[0].num_computed == 0
+    plan = sched.schedule()  # a's prefill is still in flight: b waits for its blocks, uncomputed yet
+    assert not plan.new_requests and b.status is RequestStatus.WAITING
     sched.update(result)
     sched.update(runner.execute(plan))
     sched.add_request(c)
     plan = sched.schedule()
-    assert plan.new_requests[0].num_computed == len(prefix)
-    shared = plan.new_requests[0].block_table[:2]
-    assert shared == a.block_ids[:2]
-    assert [sched.block_manager.ref_count(x) for x in shared] == [2, 2]  # a and c; b computed its own
+    assert [nr.num_computed for nr in plan.new_requests] == [len(prefix), len(prefix)]
+    shared = a.block_ids[:2]
+    assert b.block_ids[:2] == shared and c.block_ids[:2] == shared
+    assert [sched.block_manager.ref_count(x) for x in shared] == [3, 3]  # a, b and c
     sched.update(runner.execute(plan))
     drive(sched, runner)
     assert_matches_reference([a, b, c])
