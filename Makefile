@@ -25,12 +25,14 @@ run: venv
 	$(BIN)/raylm generate "北京故宫是" --max-tokens 128
 
 # Everything, Ray included (under 10 minutes on 2 cores): what needs no Ray runs on every core
-# (pytest-xdist, one torch thread per worker so they do not spin against each other), then the
-# Ray tests share one local Ray in one process.
+# (pytest-xdist, one torch thread per worker so they do not spin against each other); then the
+# Ray tests, which mostly wait (engine starts, restarts, timeouts), a test file at a time on
+# each of RAY_TEST_WORKERS workers, each worker with a local Ray of its own.
 TEST_WORKERS ?= $(shell nproc)
+RAY_TEST_WORKERS ?= 4
 test: venv
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not ray and not deploy" tests
-	$(BIN)/python -m pytest -q -m "ray and not deploy" tests
+	$(BIN)/python -m pytest -q -n $(RAY_TEST_WORKERS) --dist loadfile -m "ray and not deploy" tests
 
 # vLLM's CPU build, the peer `raylm bench --compare vllm` measures against, in a venv of its own
 # (raylm never imports it). See ../shared/PEERS.md for why each step is needed.

@@ -30,8 +30,13 @@ from scheduler.grammar_spec import GrammarSpec
 from scheduler.request import SamplingParams
 
 
-class StreamOptions(BaseModel):
+class StrictModel(BaseModel):
+    """A request body part: parsed strictly (no coercion), unknown fields ignored."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
@@ -43,8 +48,7 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None  # accepted; the schema is always enforced strictly
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -70,8 +74,7 @@ class ResponseFormat(BaseModel):
         return spec
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class _Common(StrictModel):
     model: str
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -141,27 +144,23 @@ class CompletionRequest(_Common):
         return list(p)
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class FunctionCall(StrictModel):
     name: str
     arguments: str  # a JSON object as text, as OpenAI sends it
 
 
-class ToolCallIn(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class ToolCallIn(StrictModel):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class ChatMessage(StrictModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCallIn] | None = None
@@ -186,26 +185,22 @@ class ChatMessage(BaseModel):
         return m
 
 
-class FunctionDef(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class FunctionDef(StrictModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str | None = None
     parameters: dict | None = None
 
 
-class ToolDef(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class ToolDef(StrictModel):
     type: Literal["function"]
     function: FunctionDef
 
 
-class FunctionName(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class FunctionName(StrictModel):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: FunctionName
 

@@ -325,48 +325,62 @@ async def _stream(batches, render):
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
+def _failed(d) -> dict:
+    return oa.error_body(f"generation failed: {d.output.error}", "service_unavailable")
+
+
+class _StreamUsage:
+    """Counts a stream's finished choices; after the last one, the usage chunk if asked for
+    (the prompt once, completion tokens summed over the choices)."""
+
+    def __init__(self, rid: str, obj: str, body, created: int):
+        self.rid, self.obj, self.body, self.created = rid, obj, body, created
+        self.left, self.generated = body.n, 0
+
+    def count(self, d) -> list[dict]:
+        if not d.finished:
+            return []
+        self.left, self.generated = self.left - 1, self.generated + len(d.output.token_ids)
+        if self.left or not self.body.include_usage:
+            return []
+        return [oa.usage_chunk(self.rid, self.obj, self.body.model, self.created, d.output.num_prompt_tokens,
+                               self.generated)]
+
+
 def _completion_events(rid: str, body):
     async def render(first, batches):
-        created, offsets, left, generated = int(time.time()), [0] * body.n, body.n, 0
+        created, offsets = int(time.time()), [0] * body.n
+        usage = _StreamUsage(rid, "text_completion", body, created)
         async for batch in _chain(first, batches):
             chunks = []
             for d in batch:
                 if d.finish_reason == "error":
-                    chunks.append(oa.error_body(f"generation failed: {d.output.error}", "service_unavailable"))
-                    yield chunks
+                    yield chunks + [_failed(d)]
                     return
                 chunks.append(oa.completion_chunk(rid, body.model, created, d, offsets[d.index]))
                 offsets[d.index] += len(d.text)
-                if d.finished:
-                    left, generated = left - 1, generated + len(d.output.token_ids)
-                    if not left and body.include_usage:
-                        chunks.append(oa.usage_chunk(rid, "text_completion", body.model, created,
-                                                     d.output.num_prompt_tokens, generated))
+                chunks += usage.count(d)
             yield chunks
     return render
 
 
 def _chat_events(rid: str, body, parsers: list[ChatOutput]):
     async def render(first, batches):
-        created, left, generated = int(time.time()), body.n, 0
+        created = int(time.time())
+        usage = _StreamUsage(rid, "chat.completion.chunk", body, created)
         chunks = [oa.chat_chunk(rid, body.model, created, {"role": "assistant", "content": ""}, index=i)
                   for i in range(body.n)]
         async for batch in _chain(first, batches):
             for d in batch:
                 if d.finish_reason == "error":
-                    chunks.append(oa.error_body(f"generation failed: {d.output.error}", "service_unavailable"))
-                    yield chunks
+                    yield chunks + [_failed(d)]
                     return
                 parsed = parsers[d.index]
                 fields = parsed.feed_last(d.text) if d.finished else parsed.feed(d.text)
                 chunks.append(oa.chat_chunk(rid, body.model, created, fields, d.logprobs,
                                             parsed.finish_reason(d.finish_reason) if d.finished else None,
                                             index=d.index))
-                if d.finished:
-                    left, generated = left - 1, generated + len(d.output.token_ids)
-                    if not left and body.include_usage:
-                        chunks.append(oa.usage_chunk(rid, "chat.completion.chunk", body.model, created,
-                                                     d.output.num_prompt_tokens, generated))
+                chunks += usage.count(d)
             yield chunks
             chunks = []
     return render

@@ -3,13 +3,10 @@ users' tooling probe them): a prompt or a chat's messages -> token ids, and back
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
-
-from cluster.openai_api import ChatMessage
+from cluster.openai_api import ChatMessage, StrictModel
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class TokenizeRequest(StrictModel):
     model: str
     prompt: str | None = None
     messages: list[ChatMessage] | None = None  # rendered with the chat template first
@@ -20,8 +17,7 @@ class TokenizeRequest(BaseModel):
         return None
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class DetokenizeRequest(StrictModel):
     model: str
     tokens: list[int]
 
