@@ -1,5 +1,6 @@
 """Shared fixtures. One local Ray per test session (two CPUs, two faked NPUs), started
-lazily by the first test that asks for it and shut down at the end. Every test that uses
+lazily by the first test that asks for it and shut down at the end; under pytest-xdist
+(make test) each worker process is its own session with its own Ray. Every test that uses
 it is marked `ray`, so `-m "not ray"` (make test-fast) runs what needs no Ray."""
 
 from __future__ import annotations
