@@ -8,10 +8,12 @@ replacements too. The production WorkerActor knows nothing of faults.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import ray
 
+from scheduler.request import SamplingParams
 from workers.actor import WorkerActor
 
 FAULT_KINDS = ("exit", "sleep", "raise")
@@ -52,3 +54,27 @@ FAULTY_WORKER = f"{__name__}:{FaultyWorker.__name__}"  # the RAYLM_WORKER_ACTOR 
 def arm_fault(llm, kind: str, after_steps: int = 0, seconds: float = 0.0, replica: int = 0) -> None:
     """Arm a fault in the worker of `llm`'s replica `replica` (engines started under `faulty_workers`)."""
     ray.get(llm._engine.replicas[replica].worker.arm_fault.remote(kind, after_steps=after_steps, seconds=seconds))
+
+
+# the workload the fault tests run (tests/cluster/test_reliability.py, test_worker_faults.py)
+PROMPTS = ["北京故宫是", "Hello there", "The quick brown fox jumps over the lazy dog", "Once upon a time",
+           "def add(a, b):"]
+N = 20
+
+
+def generate_in_background(llm, prompts, params):
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("outs", llm.generate(prompts, params)), daemon=True)
+    t.start()
+    return t, box
+
+
+def wait_for_tokens(llm, n=1, timeout=60):
+    deadline = time.monotonic() + timeout
+    while llm.stats()["generated_tokens"] < n:
+        assert time.monotonic() < deadline, "generation never started"
+        time.sleep(0.01)
+
+
+GREEDY = SamplingParams(max_tokens=N, temperature=0)
+SEEDED = SamplingParams(max_tokens=N, temperature=1.0, top_k=50, seed=1234)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import math
 import pickle
-import threading
 import time
 
 import pytest
@@ -13,14 +12,10 @@ import pytest
 import cluster
 from cluster import EngineOverloadedError, SamplingParams
 from scheduler.protocol import ProtocolError, StepPlan, StepResult
-from tests.cluster.faults import arm_fault
+from tests.cluster.faults import GREEDY, PROMPTS, N, arm_fault, generate_in_background, wait_for_tokens
 from tests.oracle import hf_greedy_text
 
 pytestmark = pytest.mark.ray
-
-PROMPTS = ["北京故宫是", "Hello there", "The quick brown fox jumps over the lazy dog", "Once upon a time",
-           "def add(a, b):"]
-N = 20
 
 
 @pytest.fixture(scope="module")
@@ -28,28 +23,10 @@ def expected():
     return hf_greedy_text(PROMPTS, N)
 
 
-def _generate_in_background(llm, prompts, params):
-    box = {}
-    t = threading.Thread(target=lambda: box.setdefault("outs", llm.generate(prompts, params)), daemon=True)
-    t.start()
-    return t, box
-
-
-def _wait_for_tokens(llm, n=1, timeout=60):
-    deadline = time.monotonic() + timeout
-    while llm.stats()["generated_tokens"] < n:
-        assert time.monotonic() < deadline, "generation never started"
-        time.sleep(0.01)
-
-
-GREEDY = SamplingParams(max_tokens=N, temperature=0)
-SEEDED = SamplingParams(max_tokens=N, temperature=1.0, top_k=50, seed=1234)
-
-
 def test_killed_worker_is_replaced_and_outputs_are_unchanged(ray_session, expected):
     with cluster.launch(num_kv_blocks=64, threads_per_worker=1) as llm:
-        t, box = _generate_in_background(llm, PROMPTS, GREEDY)
-        _wait_for_tokens(llm, llm.stats()["generated_tokens"] + 3)
+        t, box = generate_in_background(llm, PROMPTS, GREEDY)
+        wait_for_tokens(llm, llm.stats()["generated_tokens"] + 3)
         ray_session.kill(llm._engine.replicas[0].worker, no_restart=True)
         t.join(timeout=120)
         stats = llm.stats()
@@ -57,33 +34,6 @@ def test_killed_worker_is_replaced_and_outputs_are_unchanged(ray_session, expect
     assert [o.finish_reason for o in box["outs"]] == [("stop" if len(e) < N else "length") for e in expected]
     assert stats["worker_restarts"] == 1
     assert stats["kv_blocks_used"] == 0
-
-
-@pytest.mark.parametrize("kind", ["exit", "raise"])
-def test_worker_failing_inside_a_step_recovers_greedy_and_seeded(ray_session, faulty_workers, expected, kind):
-    with cluster.launch(num_kv_blocks=64, threads_per_worker=1) as llm:
-        clean_seeded = [o.token_ids for o in llm.generate(PROMPTS, SEEDED)]
-        arm_fault(llm, kind, after_steps=4)
-        greedy = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-        arm_fault(llm, kind, after_steps=6)
-        seeded = [o.token_ids for o in llm.generate(PROMPTS, SEEDED)]
-        stats = llm.stats()
-    assert greedy == expected
-    assert seeded == clean_seeded
-    assert stats["worker_restarts"] == 2
-
-
-def test_hung_worker_is_detected_by_the_step_timeout(ray_session, faulty_workers, expected):
-    with cluster.launch(num_kv_blocks=64, threads_per_worker=1, step_timeout_s=3.0) as llm:
-        llm.generate("warm", SamplingParams(max_tokens=2))  # compile/warm paths outside the timed window
-        arm_fault(llm, "sleep", after_steps=3, seconds=600)
-        t0 = time.monotonic()
-        outs = llm.generate(PROMPTS, GREEDY)
-        elapsed = time.monotonic() - t0
-        stats = llm.stats()
-    assert [o.token_ids for o in outs] == expected
-    assert stats["worker_restarts"] == 1
-    assert elapsed < 60
 
 
 def test_after_the_restart_budget_requests_fail_and_other_replicas_serve(ray_session, faulty_workers):
