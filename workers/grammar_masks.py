@@ -114,8 +114,9 @@ class GrammarMasks:
         index = None if len(rows) == len(work) else torch.tensor([i for i, _ in rows], device=self.device)
         apply_bitmask(logits, bits, index)
 
-    def accept(self, work: list[RowWork], ids: list[int]) -> None:
-        """Advance the matchers of the rows `work` with their sampled ids (device sampling)."""
+    def accept(self, work: list[RowWork], ids) -> None:
+        """Advance the matchers of the rows `work` with their sampled ids (device sampling):
+        any sequence of ints, e.g. the step's host copy as a numpy array."""
         for w, token in zip(work, ids):
             g = w.state.grammar
             if g is not None:

@@ -224,7 +224,7 @@ class ModelRunner:
             host_ids = ids.cpu().numpy()  # the step's one host copy
             result.token_ids = host_ids.tobytes()
             result.logprobs = row_logprobs(out, batch)
-            self.grammars.accept(inputs.work, host_ids.tolist())
+            self.grammars.accept(inputs.work, host_ids)  # a no-op loop unless a row has a grammar
 
     # -- lifecycle ----------------------------------------------------------------------
 
