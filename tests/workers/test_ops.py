@@ -30,6 +30,8 @@ def available_tables() -> list[str]:
 
 TABLES = available_tables()
 FAST = [n for n in TABLES if n != "reference"]
+# the CPU table's attention backends, each forced (the table's default is one of them)
+CPU_ATTENTION = ["paged", "chunked", "gather"] if "cpu" in TABLES else []
 
 
 def random_batch(seed: int, *, block_size: int, num_kv_heads: int = 2, group: int = 3, head_dim: int = 16,
@@ -76,8 +78,8 @@ def random_batch(seed: int, *, block_size: int, num_kv_heads: int = 2, group: in
     return cache, seqs, num_decode, contexts, q, k, v
 
 
-def run_attention(table_name, cache, seqs, num_decode, q, k, v, layer=1):
-    ops = get_op_table("cpu", table_name)
+def run_attention(table_name, cache, seqs, num_decode, q, k, v, layer=1, ops=None):
+    ops = ops or get_op_table("cpu", table_name)
     meta = ops.attention.prepare(build_metadata(seqs, num_decode=num_decode, block_size=cache.block_size))
     ops.attention.write_kv(cache, layer, k, v, meta)
     return ops.attention.forward(q, k, v, cache, layer, meta)
@@ -117,6 +119,58 @@ def test_attention_equals_the_reference(name, seed, block_size):
     out = run_attention(name, other, seqs, d, q, k, v)
     torch.testing.assert_close(other.data, cache.data)  # write_kv put this step's K/V where the reference did
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", CPU_ATTENTION)
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_each_cpu_attention_backend_equals_the_reference(backend, seed, block_size, monkeypatch):
+    monkeypatch.setenv("RAYLM_CPU_ATTENTION", backend)
+    ops = get_op_table("cpu", "cpu")
+    assert ops.describe()["attention"] == {"paged": "paged-cpp", "chunked": "chunked-online-softmax",
+                                           "gather": "gather-sdpa"}[backend]
+    cache, seqs, d, _, q, k, v = random_batch(seed, block_size=block_size)
+    other = copy.copy(cache)
+    other.data = cache.data.clone()
+    expected = run_attention("reference", cache, seqs, d, q, k, v)
+    torch.testing.assert_close(run_attention(None, other, seqs, d, q, k, v, ops=ops), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_paged_cpu_attention_at_qwen3_head_shapes(seed, monkeypatch):
+    """Qwen3-0.6B's heads (8 KV heads of 128, 2 query heads each), contexts past several blocks."""
+    monkeypatch.setenv("RAYLM_CPU_ATTENTION", "paged")
+    cache, seqs, d, contexts, q, k, v = random_batch(seed, block_size=16, num_kv_heads=8, group=2, head_dim=128,
+                                                     num_blocks=128)
+    out = run_attention(None, cache, seqs, d, q, k, v, ops=get_op_table("cpu", "cpu"))
+    torch.testing.assert_close(out, dense_attention(seqs, contexts, q, k, v), atol=1e-5, rtol=1e-5)
+
+
+def test_without_a_compiler_the_cpu_table_gathers_and_says_why(monkeypatch):
+    from workers.ops import cpu_kernels
+
+    monkeypatch.delenv("RAYLM_CPU_ATTENTION", raising=False)
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "failure", lambda: "OSError: no c++ here")
+    ops = get_op_table("cpu", "cpu")
+    assert ops.describe()["attention"] == "gather-sdpa"
+    assert ops.describe()["kernels"] == "not built: OSError: no c++ here"
+    monkeypatch.setenv("RAYLM_CPU_ATTENTION", "paged")
+    with pytest.raises(RuntimeError, match="RAYLM_CPU_ATTENTION=paged, but .* could not be built: OSError: no c"):
+        get_op_table("cpu", "cpu")
+
+
+def test_a_half_precision_model_gets_the_gather_path_on_the_cpu(monkeypatch):
+    monkeypatch.delenv("RAYLM_CPU_ATTENTION", raising=False)
+    ops = get_op_table("cpu", "cpu")
+    ops.prepare_linear(torch.zeros(8, 8, dtype=torch.bfloat16))
+    assert ops.describe()["attention"] == "gather-sdpa"  # the C++ kernel computes fp32 only
+
+
+def test_an_unknown_cpu_attention_backend_is_refused(monkeypatch):
+    monkeypatch.setenv("RAYLM_CPU_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="RAYLM_CPU_ATTENTION must be one of paged, chunked, gather, got 'flash'"):
+        get_op_table("cpu", "cpu")
 
 
 @pytest.mark.parametrize("name", FAST)

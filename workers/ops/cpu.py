@@ -20,9 +20,10 @@ import os
 import torch
 import torch.nn.functional as F
 
-from workers.ops.cpu_attention import make_cpu_attention
+from workers.ops import cpu_kernels
+from workers.ops.cpu_attention import PagedAttention, make_cpu_attention
 from workers.ops.cpu_features import cpu_class, has_mkl_packed_linear, has_onednn_packed_linear
-from workers.ops.reference import ReferenceOps
+from workers.ops.reference import GatherSDPAAttention, ReferenceOps
 
 LINEAR_PATHS = ("aten", "mkl-packed", "onednn-packed")
 # the fp32 linear path per CPU class, as measured (docs/benchmarks.md)
@@ -71,10 +72,13 @@ class CPUOps(ReferenceOps):
         self.linear_paths: set[str] = set()  # the paths prepared weights took (a model may mix dtypes)
 
     def describe(self) -> dict:
+        kernels = "built" if cpu_kernels.load() is not None else f"not built: {cpu_kernels.failure()}"
         return {**super().describe(), "cpu": cpu_class(), "linear": ",".join(sorted(self.linear_paths)) or None,
-                "elementwise": "eager"}
+                "elementwise": "eager", "kernels": kernels}
 
     def prepare_linear(self, weight, bias=None):
+        if weight.dtype != torch.float32 and isinstance(self.attention, PagedAttention):
+            self.attention = GatherSDPAAttention()  # the kernel computes in fp32 only
         path = linear_path(weight.dtype)
         self.linear_paths.add(path)
         if path == "mkl-packed":

@@ -1,13 +1,19 @@
 """Paged attention for the CPU op table, chosen by measurement (docs/benchmarks.md).
 
+- "paged" (the default where it builds): raylm's C++ kernel (workers/ops/csrc/paged_attention.cpp,
+  built once per machine by workers/ops/cpu_kernels.py) reads every decode row's keys and values
+  where they lie in the pool, and a prefill chunk's after a cached prefix; a chunk with nothing
+  cached attends causally over its own new keys through SDPA (a GEMM-shaped problem, no pool
+  read). fp32 only: a model computing in half precision gets "gather".
 - "chunked": decode rows by a block-wise online softmax: a few block-table columns at a time
   (CHUNK_TOKENS keys per row), read from the pool, scored, and folded into running max / sum /
   output, so the working set stays a chunk, never the whole padded context of the batch.
   Prefill chunks: causal SDPA over their own keys when nothing is cached; after a cached prefix,
   the same online softmax over the prefix blocks, merged with causal SDPA-free scoring of the new
   keys.
-- "gather": the reference's gather + SDPA (RAYLM_CPU_ATTENTION=gather).
-RAYLM_CPU_ATTENTION overrides the default.
+- "gather": the reference's gather + SDPA (RAYLM_CPU_ATTENTION=gather), also what runs where the
+  kernel cannot be built (the reason is in stats()["ops"]["kernels"]).
+RAYLM_CPU_ATTENTION overrides the default; "paged" then fails loudly if the kernel cannot be built.
 """
 
 from __future__ import annotations
@@ -17,19 +23,69 @@ import os
 import torch
 import torch.nn.functional as F
 
+from workers.ops import cpu_kernels
 from workers.ops.base import AttentionBackend, AttentionMetadata
 from workers.ops.reference import GatherSDPAAttention
 
 CHUNK_TOKENS = 128  # keys per row per online-softmax step
-DEFAULT = "gather"
+ENV = "RAYLM_CPU_ATTENTION"
 
 
 def make_cpu_attention() -> AttentionBackend:
-    name = os.environ.get("RAYLM_CPU_ATTENTION", DEFAULT)
-    backends = {"chunked": ChunkedPagedAttention, "gather": GatherSDPAAttention}
-    if name not in backends:
-        raise ValueError(f"RAYLM_CPU_ATTENTION must be one of {', '.join(backends)}, got {name!r}")
+    backends = {"paged": PagedAttention, "chunked": ChunkedPagedAttention, "gather": GatherSDPAAttention}
+    name = os.environ.get(ENV)
+    if name is not None and name not in backends:
+        raise ValueError(f"{ENV} must be one of {', '.join(backends)}, got {name!r}")
+    if name is None:
+        name = "paged" if cpu_kernels.load() is not None else "gather"
+    elif name == "paged" and cpu_kernels.load() is None:
+        raise RuntimeError(f"{ENV}=paged, but raylm's CPU kernels could not be built: {cpu_kernels.failure()}")
     return backends[name]()
+
+
+class PagedAttention(AttentionBackend):
+    """torch.ops.raylm.paged_attention over the pool in place (fp32)."""
+
+    name = "paged-cpp"
+
+    def __init__(self) -> None:
+        self.kernels = cpu_kernels.load()
+
+    def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
+        d = meta.num_decode
+        device = meta.slot_mapping.device
+        if d:  # row i of the block table, all seq_lens[i] keys
+            meta.extra["decode_rows"] = torch.arange(d, dtype=torch.int32, device=device)
+        chunks = []
+        for i, start, n, cached in meta.prefill_chunks():
+            rows = lens = None
+            if cached:  # query j sits at position cached + j: it sees cached + j + 1 keys
+                rows = torch.full((n,), i, dtype=torch.int32, device=device)
+                lens = torch.arange(cached + 1, cached + n + 1, dtype=torch.int32, device=device)
+            chunks.append((start, n, rows, lens))
+        meta.extra["chunks"] = chunks
+        return meta
+
+    def forward(self, q, k, v, kv_cache, layer, meta):
+        t, num_heads, head_dim = q.shape
+        scale = head_dim ** -0.5
+        out = torch.empty(t, num_heads * head_dim, dtype=q.dtype, device=q.device)
+        key, value = kv_cache.key(layer), kv_cache.value(layer)  # [N, bs, KVH, D]
+        q = q.contiguous()
+        d = meta.num_decode
+        if d:
+            self.kernels.paged_attention(out[:d], q[:d], key, value, meta.block_tables, meta.extra["decode_rows"],
+                                         meta.seq_lens[:d], scale)
+        for s, n, rows, lens in meta.extra["chunks"]:
+            if rows is not None:
+                self.kernels.paged_attention(out[s:s + n], q[s:s + n], key, value, meta.block_tables, rows, lens,
+                                             scale)
+                continue
+            o = F.scaled_dot_product_attention(
+                q[s:s + n].transpose(0, 1).unsqueeze(0), k[s:s + n].transpose(0, 1).unsqueeze(0),
+                v[s:s + n].transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale, enable_gqa=True)
+            out[s:s + n] = o[0].transpose(0, 1).reshape(n, num_heads * head_dim)
+        return out
 
 
 class ChunkedPagedAttention(AttentionBackend):

@@ -1,0 +1,93 @@
+"""raylm's own CPU kernels (workers/ops/csrc/), compiled once per machine and cached.
+
+Built with torch's C++ extension builder (g++ and ninja; -O3 -march=native -fopenmp, so the
+build is this CPU's) into RAYLM_KERNEL_CACHE (default ~/.cache/raylm/kernels), under a name
+that hashes the sources, torch's version, the compiler flags and this CPU's feature flags: a
+second start, another worker or another process on the same machine loads the built library
+in milliseconds; a different CPU or torch builds its own. Concurrent builders wait on torch's
+lock in the build directory.
+
+`load()` returns the module, or None when it cannot be built here (no compiler, no headers):
+the CPU table then keeps the gather + SDPA path and says so. `python -m workers.ops.cpu_kernels`
+builds it ahead of time (make venv does) and prints where.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from workers.ops.cpu_features import cpu_flags
+
+SOURCES = (Path(__file__).with_name("csrc") / "paged_attention.cpp",)
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+ENV_CACHE = "RAYLM_KERNEL_CACHE"
+
+log = logging.getLogger(__name__)
+_failure: str | None = None
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "raylm" / "kernels")
+
+
+def build_name() -> str:
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.read_bytes())
+    h.update(" ".join((torch.__version__, sys.version, *CFLAGS, *sorted(cpu_flags()))).encode())
+    return f"raylm_cpu_kernels_{h.hexdigest()[:16]}"
+
+
+@functools.lru_cache(maxsize=1)
+def load():
+    """torch.ops.raylm with the compiled kernels registered, or None (failure() says why)."""
+    global _failure
+    if sys.platform != "linux":
+        _failure = f"raylm's CPU kernels build on Linux only, not {sys.platform}"
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        name = build_name()
+        build_dir = cache_root() / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
+                           extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False,
+                           verbose=False)
+        module = torch.ops.raylm
+        took = time.perf_counter() - t0
+        if took > 2:
+            log.info("built raylm's CPU kernels in %.0f s (%s)", took, build_dir)
+        return module
+    except Exception as e:  # noqa: BLE001 - any build failure leaves the torch paths in place
+        _failure = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        log.warning("raylm's CPU kernels could not be built (%s); attention gathers", _failure)
+        return None
+
+
+def failure() -> str | None:
+    """Why load() returned None (after it did)."""
+    return _failure
+
+
+def main() -> int:
+    t0 = time.perf_counter()
+    module = load()
+    if module is None:
+        print(f"raylm CPU kernels: not built ({failure()})")
+        return 1
+    print(f"raylm CPU kernels: {cache_root() / build_name()} ({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

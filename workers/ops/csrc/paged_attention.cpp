@@ -1,0 +1,159 @@
+// Paged attention for the CPU op table: every query token attends over its sequence's keys
+// where they lie in the paged pool (no gather, no padding), fp32.
+//
+// A token t reads the block table row token_rows[t] and sees its first token_lens[t] keys
+// (a decode row: all of its context; a prefill chunk's token i after `cached` tokens:
+// cached + i + 1, which is the causal mask). Two passes over the keys (scores, then the
+// weighted sum of values) with one token's scores in a per-thread buffer: the context is
+// read twice, never copied.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float* __restrict y, const float* __restrict x, float a, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+}  // namespace
+
+// Every query token, split over torch's threads. A token reads its blocks in memory order: each
+// key position's [KVH, D] row is contiguous, so all of its heads are scored from one sequential
+// read (the pool's layout, [N, block_size, KVH, D]). HEAD_DIM > 0 fixes the head size at compile
+// time (the loops then unroll and vectorize whole); 0 takes it at run time.
+template <int64_t HEAD_DIM>
+void attend_all(float* op, const float* qp, const float* kp, const float* vp, const int32_t* tables,
+                const int32_t* rows, const int32_t* lens, int64_t n, int64_t num_heads, int64_t num_kv_heads,
+                int64_t head_dim_rt, int64_t block_size, int64_t max_blocks, int64_t out_stride, float scale) {
+  const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim_rt;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t row_stride = num_kv_heads * head_dim;  // one key position's heads
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;  // [H, len]
+    std::vector<float> acc(num_heads * head_dim);
+    std::vector<float> inv(num_heads);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t len = lens[t];
+      const int32_t* table = tables + static_cast<int64_t>(rows[t]) * max_blocks;
+      const float* qt = qp + t * num_heads * head_dim;
+      scores.resize(num_heads * len);
+      // pass 1: scaled scores of every visible key, every query head
+      for (int64_t p0 = 0, b = 0; p0 < len; p0 += block_size, ++b) {
+        const int64_t m = std::min(block_size, len - p0);
+        const float* kb = kp + static_cast<int64_t>(table[b]) * block_size * row_stride;
+        for (int64_t o = 0; o < m; ++o) {
+          const float* krow = kb + o * row_stride;
+          for (int64_t h = 0; h < num_kv_heads; ++h) {
+            const float* k = krow + h * head_dim;
+            for (int64_t j = 0; j < group; ++j) {
+              const int64_t qh = h * group + j;
+              scores[qh * len + p0 + o] = dot(qt + qh * head_dim, k, head_dim) * scale;
+            }
+          }
+        }
+      }
+      // softmax numerators in place, and 1 / their sum
+      for (int64_t qh = 0; qh < num_heads; ++qh) {
+        float* s = scores.data() + qh * len;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t p = 0; p < len; ++p) mx = std::max(mx, s[p]);
+        float sum = 0.f;
+        for (int64_t p = 0; p < len; ++p) {
+          s[p] = std::exp(s[p] - mx);
+          sum += s[p];
+        }
+        inv[qh] = 1.f / sum;
+      }
+      // pass 2: the weighted sum of values
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t p0 = 0, b = 0; p0 < len; p0 += block_size, ++b) {
+        const int64_t m = std::min(block_size, len - p0);
+        const float* vb = vp + static_cast<int64_t>(table[b]) * block_size * row_stride;
+        for (int64_t o = 0; o < m; ++o) {
+          const float* vrow = vb + o * row_stride;
+          for (int64_t h = 0; h < num_kv_heads; ++h) {
+            const float* v = vrow + h * head_dim;
+            for (int64_t j = 0; j < group; ++j) {
+              const int64_t qh = h * group + j;
+              axpy(acc.data() + qh * head_dim, v, scores[qh * len + p0 + o], head_dim);
+            }
+          }
+        }
+      }
+      float* ot = op + t * out_stride;
+      for (int64_t qh = 0; qh < num_heads; ++qh) {
+        const float* a = acc.data() + qh * head_dim;
+        float* dst = ot + qh * head_dim;
+        const float r = inv[qh];
+#pragma omp simd
+        for (int64_t i = 0; i < head_dim; ++i) dst[i] = a[i] * r;
+      }
+    }
+  });
+}
+
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
+                     at::Tensor block_tables, at::Tensor token_rows, at::Tensor token_lens,
+                     double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat &&
+                  value_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "paged_attention computes in float32");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [T, H, D]");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "the caches must be contiguous [N, block_size, KVH, D]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(), "block_tables: int32");
+  TORCH_CHECK(token_rows.scalar_type() == at::kInt && token_lens.scalar_type() == at::kInt,
+              "token_rows / token_lens: int32");
+  const int64_t n = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes disagree");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == n && out.size(1) == num_heads * head_dim && out.stride(1) == 1,
+              "out must be [T, H * D] with unit stride along its rows");
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t out_stride = out.stride(0);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = key_cache.data_ptr<float>();
+  const float* vp = value_cache.data_ptr<float>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const at::Tensor rows_c = token_rows.contiguous(), lens_c = token_lens.contiguous();
+  TORCH_CHECK(rows_c.numel() == n && lens_c.numel() == n, "one token_rows / token_lens entry per query token");
+  const int32_t* rows = rows_c.data_ptr<int32_t>();
+  const int32_t* lens = lens_c.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+
+  auto run = [&](auto fixed) {
+    attend_all<decltype(fixed)::value>(op, qp, kp, vp, tables, rows, lens, n, num_heads, num_kv_heads, head_dim,
+                                       block_size, max_blocks, out_stride, fscale);
+  };
+  if (head_dim == 128) {
+    run(std::integral_constant<int64_t, 128>());
+  } else if (head_dim == 64) {
+    run(std::integral_constant<int64_t, 64>());
+  } else {
+    run(std::integral_constant<int64_t, 0>());
+  }
+}
+
+// torch.ops.raylm.paged_attention (registered when the library is loaded)
+TORCH_LIBRARY(raylm, m) {
+  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor token_rows, Tensor token_lens, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(raylm, CPU, m) { m.impl("paged_attention", &paged_attention); }
