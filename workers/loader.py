@@ -14,6 +14,7 @@ Under tensor parallelism (`parallel`) each rank reads only its slice of each ten
 
 from __future__ import annotations
 
+import contextlib
 import json
 from copy import deepcopy
 from dataclasses import dataclass
@@ -134,11 +135,27 @@ def _weight_files(d: Path) -> list[Path]:
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {str(d)!r}")
 
 
+@contextlib.contextmanager
+def _no_init():
+    """nn.Module constructors without their random init: the weights are uninitialized anyway,
+    and on the meta device torch.nn.init's first call imports torch._dynamo (~3.5 s of every
+    worker's start)."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_", "zeros_", "ones_")
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(torch.nn.init, n, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(torch.nn.init, n, fn)
+
+
 def empty_model(config: Qwen3Config, dtype: torch.dtype, device,
                 parallel: TensorParallel = SINGLE) -> Qwen3ForCausalLM:
     """A model (this rank's part of it) with uninitialized weights of `dtype` on `device`
     (built on meta: no double allocation)."""
-    with torch.device("meta"):
+    with torch.device("meta"), _no_init():
         model = Qwen3ForCausalLM(config, parallel)
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()
@@ -223,6 +240,24 @@ def load_tokenizer(path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(_checkpoint_dir(path)))
+
+
+def tokenizer_size(path) -> int:
+    """len(load_tokenizer(path)) without importing transformers (the worker needs only the
+    number): tokenizer.json's vocabulary with its added tokens, and any added token id
+    tokenizer_config.json declares beyond it. OSError / ValueError where neither can be read."""
+    d = _checkpoint_dir(path)
+    if not (d / "tokenizer.json").is_file():
+        return len(load_tokenizer(d))
+    from tokenizers import Tokenizer
+
+    try:
+        size = Tokenizer.from_file(str(d / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    except Exception as e:  # tokenizers raises its own Exception type for a bad file
+        raise ValueError(f"unreadable tokenizer.json in {str(d)!r}: {e}") from e
+    config = d / "tokenizer_config.json"
+    added = (_read_json(config).get("added_tokens_decoder") or {}) if config.is_file() else {}
+    return max([size, *(int(i) + 1 for i in added)])
 
 
 def _ids(value) -> set[int]:

@@ -32,9 +32,9 @@ from workers.loader import (
     is_random_spec,
     load_config,
     load_model,
-    load_tokenizer,
     random_model,
     resolve_dtype,
+    tokenizer_size,
     weights_fingerprint,
 )
 from workers.logits_codec import encode_logits
@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 @functools.lru_cache(maxsize=8)
 def _tokenizer_size(path: str) -> int | None:
     try:
-        return len(load_tokenizer(path))
+        return tokenizer_size(path)
     except (OSError, ValueError, TypeError):  # a checkpoint without a usable tokenizer
         return None
 

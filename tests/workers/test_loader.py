@@ -211,3 +211,20 @@ def test_random_qwen3_has_the_requested_shape():
 def test_copy_of_bundled_model_loads_from_elsewhere(tmp_path):
     shutil.copytree(bundled_model_path(), tmp_path / "m", ignore=shutil.ignore_patterns("*.py", "__pycache__"))
     assert load_config(tmp_path / "m") == load_config(bundled_model_path())
+
+
+def test_tokenizer_size_is_the_tokenizers_length_without_transformers(tmp_path):
+    from workers.loader import load_tokenizer, tokenizer_size
+
+    path = bundled_model_path()
+    assert tokenizer_size(path) == len(load_tokenizer(path))
+    # an added token tokenizer_config.json declares past tokenizer.json's vocabulary counts too
+    shutil.copytree(path, tmp_path / "ckpt", ignore=shutil.ignore_patterns("*.safetensors", "*.py"))
+    cfg_path = tmp_path / "ckpt" / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.setdefault("added_tokens_decoder", {})["4000"] = {"content": "<extra>", "special": True}
+    cfg_path.write_text(json.dumps(cfg))
+    assert tokenizer_size(tmp_path / "ckpt") == 4001
+    (tmp_path / "ckpt" / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="unreadable tokenizer.json"):
+        tokenizer_size(tmp_path / "ckpt")

@@ -207,7 +207,10 @@ class Qwen3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, self.shape.vocab_rows, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float) / config.head_dim
+        # on the CPU even under torch.device("meta") (the loader's empty model): a factory on meta
+        # runs torch's Python reference, whose first call imports torch._dynamo (~2 s of every start);
+        # reset_rotary recomputes it where the model lands
+        exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float, device="cpu") / config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** exponents)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.prepared = PreparedWeights()  # set by prepare(ops)

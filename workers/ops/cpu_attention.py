@@ -25,9 +25,10 @@ import torch.nn.functional as F
 
 from workers.ops import cpu_kernels
 from workers.ops.base import AttentionBackend, AttentionMetadata
-from workers.ops.reference import GatherSDPAAttention
+from workers.ops.reference import GatherSDPAAttention, gather_chunk
 
 CHUNK_TOKENS = 128  # keys per row per online-softmax step
+KERNEL_CHUNK_TOKENS = 16  # a chunk after a cached prefix up to this long goes through the C++ kernel
 ENV = "RAYLM_CPU_ATTENTION"
 
 
@@ -44,7 +45,11 @@ def make_cpu_attention() -> AttentionBackend:
 
 
 class PagedAttention(AttentionBackend):
-    """torch.ops.raylm.paged_attention over the pool in place (fp32)."""
+    """torch.ops.raylm.paged_attention over the pool in place (fp32), for decode rows and short
+    chunks after a cached prefix; a longer chunk after a cached prefix is a GEMM-shaped problem
+    (every query against the whole context) that the kernel's per-token dot products run several
+    times slower than the gather + SDPA the reference does (KERNEL_CHUNK_TOKENS, measured in
+    docs/benchmarks.md), so it takes that path."""
 
     name = "paged-cpp"
 
@@ -58,11 +63,13 @@ class PagedAttention(AttentionBackend):
             meta.extra["decode_rows"] = torch.arange(d, dtype=torch.int32, device=device)
         chunks = []
         for i, start, n, cached in meta.prefill_chunks():
-            rows = lens = None
-            if cached:  # query j sits at position cached + j: it sees cached + j + 1 keys
-                rows = torch.full((n,), i, dtype=torch.int32, device=device)
-                lens = torch.arange(cached + 1, cached + n + 1, dtype=torch.int32, device=device)
-            chunks.append((start, n, rows, lens))
+            if not cached:
+                chunks.append(("own", start, n, None, None))
+            elif n <= KERNEL_CHUNK_TOKENS:  # query j sits at position cached + j: it sees cached + j + 1 keys
+                chunks.append(("kernel", start, n, torch.full((n,), i, dtype=torch.int32, device=device),
+                               torch.arange(cached + 1, cached + n + 1, dtype=torch.int32, device=device)))
+            else:
+                chunks.append(("gather", start, n, *gather_chunk(meta, i, n, cached)))
         meta.extra["chunks"] = chunks
         return meta
 
@@ -76,14 +83,14 @@ class PagedAttention(AttentionBackend):
         if d:
             self.kernels.paged_attention(out[:d], q[:d], key, value, meta.block_tables, meta.extra["decode_rows"],
                                          meta.seq_lens[:d], scale)
-        for s, n, rows, lens in meta.extra["chunks"]:
-            if rows is not None:
-                self.kernels.paged_attention(out[s:s + n], q[s:s + n], key, value, meta.block_tables, rows, lens,
-                                             scale)
+        for how, s, n, a, b in meta.extra["chunks"]:
+            if how == "kernel":
+                self.kernels.paged_attention(out[s:s + n], q[s:s + n], key, value, meta.block_tables, a, b, scale)
                 continue
+            kc, vc = (k[s:s + n], v[s:s + n]) if how == "own" else kv_cache.gather(layer, a)  # [ctx, KVH, D]
             o = F.scaled_dot_product_attention(
-                q[s:s + n].transpose(0, 1).unsqueeze(0), k[s:s + n].transpose(0, 1).unsqueeze(0),
-                v[s:s + n].transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale, enable_gqa=True)
+                q[s:s + n].transpose(0, 1).unsqueeze(0), kc.transpose(0, 1).unsqueeze(0),
+                vc.transpose(0, 1).unsqueeze(0), attn_mask=b, is_causal=how == "own", scale=scale, enable_gqa=True)
             out[s:s + n] = o[0].transpose(0, 1).reshape(n, num_heads * head_dim)
         return out
 

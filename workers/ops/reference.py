@@ -21,6 +21,16 @@ def _blocks_for(n: int, block_size: int) -> int:
     return (n + block_size - 1) // block_size
 
 
+def gather_chunk(meta: AttentionMetadata, row: int, n: int, cached: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk of n new tokens after `cached` ones: the block ids covering its context, and the
+    offset-causal mask [n, blocks * block_size] (query j at position cached + j sees keys <= it)."""
+    bs = meta.block_size
+    nb = _blocks_for(cached + n, bs)
+    keys = torch.arange(nb * bs, device=meta.slot_mapping.device)
+    queries = torch.arange(cached, cached + n, device=meta.slot_mapping.device)
+    return meta.block_tables[row, :nb], keys[None, :] <= queries[:, None]
+
+
 class GatherSDPAAttention(AttentionBackend):
     name = "gather-sdpa"
 
@@ -37,13 +47,7 @@ class GatherSDPAAttention(AttentionBackend):
             meta.extra["decode_mask"] = mask
         chunks = []
         for i, start, n, cached in meta.prefill_chunks():
-            ids = mask = None
-            if cached:
-                nb = _blocks_for(cached + n, bs)
-                ids = meta.block_tables[i, :nb]
-                keys = torch.arange(nb * bs, device=device)
-                queries = torch.arange(cached, cached + n, device=device)
-                mask = keys[None, :] <= queries[:, None]  # [n, nb * bs]
+            ids, mask = gather_chunk(meta, i, n, cached) if cached else (None, None)
             chunks.append((start, n, cached, ids, mask))
         meta.extra["chunks"] = chunks
         return meta
