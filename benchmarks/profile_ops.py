@@ -28,6 +28,17 @@ from workers.loader import random_model
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "mkldnn", "aten::_mkldnn")
 
 
+def linear_flops(config, wl) -> float:
+    """The workload's GEMM work: every prompt token and every fed-back output token through each
+    layer's q/k/v, o, gate/up and down projections, one lm_head row per output token (no prefix
+    hits: the prompts are random; no recompute: the pool holds the whole workload)."""
+    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    per_token = 2 * (h * (q + 2 * kv) + q * h + h * 2 * inter + inter * h) * config.num_hidden_layers
+    fed = wl.prompt_tokens + wl.output_tokens - wl.num_requests  # the last sampled token is never fed back
+    return per_token * fed + 2 * h * config.vocab_size * wl.output_tokens
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=4)
@@ -61,6 +72,9 @@ def main() -> None:
         mm = sum(e.self_cpu_time_total for e in events if e.key.startswith(MATMULS))
         print(f"\n## {system}: {fig['elapsed_s']:.1f}s measured ({wall:.1f}s under the profiler), "
               f"{fig['output_tok_s']:.2f} output tok/s; matmuls {100 * mm / total:.1f}% of op self time")
+        flops = linear_flops(model.config, wl)
+        print(f"linear work {flops / 1e12:.2f} TFLOP in {mm / 1e6:.1f}s of matmul self time: "
+              f"{flops / (mm / 1e6) / 1e9:.1f} GF/s (compare bench_gemm.py --packed's best fp32 rate)")
         print(f"{'op':<48} {'self %':>7} {'self s':>8} {'calls':>8}")
         for e in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:a.top]:
             print(f"{e.key[:48]:<48} {100 * e.self_cpu_time_total / total:>7.1f} "
