@@ -74,10 +74,7 @@ class PagedAttention(AttentionBackend):
         return meta
 
     def forward(self, q, k, v, kv_cache, layer, meta):
-        t, num_heads, head_dim = q.shape
-        scale = head_dim ** -0.5
-        out = torch.empty(t, num_heads * head_dim, dtype=q.dtype, device=q.device)
-        key, value = kv_cache.key(layer), kv_cache.value(layer)  # [N, bs, KVH, D]
+        num_heads, head_dim, scale, out, key, value = _outputs_and_pool(q, kv_cache, layer)
         q = q.contiguous()
         d = meta.num_decode
         if d:
@@ -110,10 +107,7 @@ class ChunkedPagedAttention(AttentionBackend):
         return meta
 
     def forward(self, q, k, v, kv_cache, layer, meta):
-        t, num_heads, head_dim = q.shape
-        scale = head_dim ** -0.5
-        out = torch.empty(t, num_heads * head_dim, dtype=q.dtype, device=q.device)
-        key, value = kv_cache.key(layer), kv_cache.value(layer)  # [N, bs, KVH, D]
+        num_heads, head_dim, scale, out, key, value = _outputs_and_pool(q, kv_cache, layer)
         d = meta.num_decode
         if d:
             o, _, _ = _online_softmax(q[:d].unsqueeze(1), key, value, meta.extra["decode_tables"],
@@ -137,6 +131,14 @@ class ChunkedPagedAttention(AttentionBackend):
             o = (_heads_last(o1, a1) + _heads_last(o2, a2)) / _heads_last(None, a1 + a2, o1)
             out[s:s + n] = o.reshape(n, num_heads * head_dim)
         return out
+
+
+def _outputs_and_pool(q, kv_cache, layer):
+    """q [T, H, D] -> (H, D, the softmax scale, an empty output [T, H * D], the layer's pool
+    key and value [N, bs, KVH, D])."""
+    t, num_heads, head_dim = q.shape
+    out = torch.empty(t, num_heads * head_dim, dtype=q.dtype, device=q.device)
+    return num_heads, head_dim, head_dim ** -0.5, out, kv_cache.key(layer), kv_cache.value(layer)
 
 
 def _online_softmax(q, key, value, tables, lens, positions, scale):
