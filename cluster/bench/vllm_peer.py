@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -69,7 +70,11 @@ def peer_dtype(requested: str = "auto") -> str:
 
 
 class VLLMPeer:
-    """One vLLM engine in a subprocess for the life of the object; `run` may be called repeatedly."""
+    """One vLLM engine in a subprocess for the life of the object; `run` may be called repeatedly.
+
+    Between runs its processes (the script, vLLM's engine core and worker: one process group)
+    are stopped (SIGSTOP), so an idle vLLM takes no CPU from the system measured next: measured
+    here, raylm's engine made 42.7 tok/s beside an idle vLLM and 49.6 alone."""
 
     def __init__(self, checkpoint: str, *, dtype: str, max_num_seqs: int, max_num_batched_tokens: int,
                  block_size: int | None, threads: int, kv_space_gib: int = 4, venv: str | None = None,
@@ -82,7 +87,8 @@ class VLLMPeer:
         env.pop("PYTHONPATH", None)  # nothing of raylm's venv leaks into vLLM's
         self.log = open(log_path or os.devnull, "w")
         self.proc = subprocess.Popen([peers_python(venv), os.path.abspath(__file__)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
+                                     start_new_session=True)
         t0 = time.perf_counter()
         self._send({"model": checkpoint, "dtype": dtype, "max_num_seqs": max_num_seqs,
                     "max_num_batched_tokens": max_num_batched_tokens, "block_size": block_size,
@@ -91,6 +97,15 @@ class VLLMPeer:
         self.launch_s = time.perf_counter() - t0
         self.version = ready.get("version")
         self.dtype = dtype
+        self._signal(signal.SIGSTOP)
+
+    def _signal(self, sig: int) -> None:
+        """sig to the peer's whole process group (vLLM's own processes included)."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
 
     def _send(self, message: dict) -> None:
         self.proc.stdin.write(json.dumps(message) + "\n")
@@ -107,17 +122,22 @@ class VLLMPeer:
 
     def run(self, prompts: list[list[int]], output_lens: list[int]) -> tuple[float, list[list[int]]]:
         """Wall seconds for the whole batch, and each request's output ids."""
-        self._send({"prompts": prompts, "output_lens": output_lens})
-        msg = self._receive()
+        self._signal(signal.SIGCONT)
+        try:
+            self._send({"prompts": prompts, "output_lens": output_lens})
+            msg = self._receive()
+        finally:
+            self._signal(signal.SIGSTOP)
         return msg["elapsed"], msg["outputs"]
 
     def close(self) -> None:
+        self._signal(signal.SIGCONT)
         if self.proc.poll() is None:
             try:
                 self._send({"quit": True})
                 self.proc.wait(timeout=60)
             except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
+                self._signal(signal.SIGKILL)  # the script and vLLM's processes with it
         self.log.close()
 
     def __enter__(self) -> VLLMPeer:

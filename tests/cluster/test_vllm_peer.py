@@ -106,3 +106,18 @@ def test_a_missing_peers_venv_is_named(tmp_path):
     with pytest.raises(ValueError, match=f"peers venv '{missing}' has no bin/python"):
         peers_python(missing)
     assert os.path.exists(peers_python(os.path.dirname(os.path.dirname(sys.executable))))
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]  # R, S, T (stopped), ...
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads process states from /proc")
+def test_the_peer_is_stopped_between_runs_so_it_takes_no_cpu_from_the_next_system(fake_venv):
+    with peer(fake_venv) as p:
+        assert _state(p.proc.pid) == "T"  # up, and stopped until its first run
+        _, outs = p.run([[7, 8, 9]], [2])
+        assert outs == [[7, 3]]
+        assert _state(p.proc.pid) == "T"  # stopped again once its run is back
+    assert p.proc.poll() is not None  # a stopped peer still closes
