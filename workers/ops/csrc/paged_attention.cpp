@@ -30,6 +30,17 @@ inline void axpy(float* __restrict y, const float* __restrict x, float a, int64_
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
+// fn(position, that position's [KVH, D] row) for a token's first len positions, block by block
+template <typename F>
+inline void for_each_position(const float* pool, const int32_t* table, int64_t len, int64_t block_size,
+                              int64_t row_stride, F&& fn) {
+  for (int64_t p0 = 0, b = 0; p0 < len; p0 += block_size, ++b) {
+    const int64_t m = std::min(block_size, len - p0);
+    const float* base = pool + static_cast<int64_t>(table[b]) * block_size * row_stride;
+    for (int64_t o = 0; o < m; ++o) fn(p0 + o, base + o * row_stride);
+  }
+}
+
 }  // namespace
 
 // Every query token, split over torch's threads. A token reads its blocks in memory order: each
@@ -53,20 +64,15 @@ void attend_all(float* op, const float* qp, const float* kp, const float* vp, co
       const float* qt = qp + t * num_heads * head_dim;
       scores.resize(num_heads * len);
       // pass 1: scaled scores of every visible key, every query head
-      for (int64_t p0 = 0, b = 0; p0 < len; p0 += block_size, ++b) {
-        const int64_t m = std::min(block_size, len - p0);
-        const float* kb = kp + static_cast<int64_t>(table[b]) * block_size * row_stride;
-        for (int64_t o = 0; o < m; ++o) {
-          const float* krow = kb + o * row_stride;
-          for (int64_t h = 0; h < num_kv_heads; ++h) {
-            const float* k = krow + h * head_dim;
-            for (int64_t j = 0; j < group; ++j) {
-              const int64_t qh = h * group + j;
-              scores[qh * len + p0 + o] = dot(qt + qh * head_dim, k, head_dim) * scale;
-            }
+      for_each_position(kp, table, len, block_size, row_stride, [&](int64_t p, const float* krow) {
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          const float* k = krow + h * head_dim;
+          for (int64_t j = 0; j < group; ++j) {
+            const int64_t qh = h * group + j;
+            scores[qh * len + p] = dot(qt + qh * head_dim, k, head_dim) * scale;
           }
         }
-      }
+      });
       // softmax numerators in place, and 1 / their sum
       for (int64_t qh = 0; qh < num_heads; ++qh) {
         float* s = scores.data() + qh * len;
@@ -81,20 +87,15 @@ void attend_all(float* op, const float* qp, const float* kp, const float* vp, co
       }
       // pass 2: the weighted sum of values
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p0 = 0, b = 0; p0 < len; p0 += block_size, ++b) {
-        const int64_t m = std::min(block_size, len - p0);
-        const float* vb = vp + static_cast<int64_t>(table[b]) * block_size * row_stride;
-        for (int64_t o = 0; o < m; ++o) {
-          const float* vrow = vb + o * row_stride;
-          for (int64_t h = 0; h < num_kv_heads; ++h) {
-            const float* v = vrow + h * head_dim;
-            for (int64_t j = 0; j < group; ++j) {
-              const int64_t qh = h * group + j;
-              axpy(acc.data() + qh * head_dim, v, scores[qh * len + p0 + o], head_dim);
-            }
+      for_each_position(vp, table, len, block_size, row_stride, [&](int64_t p, const float* vrow) {
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          const float* v = vrow + h * head_dim;
+          for (int64_t j = 0; j < group; ++j) {
+            const int64_t qh = h * group + j;
+            axpy(acc.data() + qh * head_dim, v, scores[qh * len + p], head_dim);
           }
         }
-      }
+      });
       float* ot = op + t * out_stride;
       for (int64_t qh = 0; qh < num_heads; ++qh) {
         const float* a = acc.data() + qh * head_dim;
