@@ -30,10 +30,11 @@ venv: $(BIN)/.installed $(BIN)/.kernels
 run: venv
 	$(BIN)/raylm generate "北京故宫是" --max-tokens 128
 
-# Everything, Ray included (8.6 minutes on 2 cores from a fresh clone, measured 2026-12-01; the goal is 10): what needs no Ray runs on every core
-# (pytest-xdist, one torch thread per worker so they do not spin against each other); then the
-# Ray tests, which mostly wait (engine starts, restarts, timeouts), a test file at a time on
-# each of RAY_TEST_WORKERS workers, each worker with a local Ray of its own.
+# Everything, Ray included (7.5-8.6 minutes on 2 cores from a fresh clone, 2026-12-01; the goal is
+# 10): what needs no Ray runs on every core (pytest-xdist, one torch thread per worker so they do
+# not spin against each other); then the Ray tests (engine starts, restarts, timeouts), a test file
+# at a time on each of RAY_TEST_WORKERS workers, each with a local Ray of its own (6 workers
+# measured slower than 4 on 2 cores).
 TEST_WORKERS ?= $(shell nproc)
 RAY_TEST_WORKERS ?= 4
 test: venv

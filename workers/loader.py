@@ -136,26 +136,30 @@ def _weight_files(d: Path) -> list[Path]:
 
 
 @contextlib.contextmanager
-def _no_init():
-    """nn.Module constructors without their random init: the weights are uninitialized anyway,
-    and on the meta device torch.nn.init's first call imports torch._dynamo (~3.5 s of every
-    worker's start)."""
+def _no_init_on_meta():
+    """nn.init skips meta tensors while the loader builds its empty model: they hold no data, and
+    a meta init runs torch's Python reference, whose first call imports torch._dynamo (~3.5 s of
+    every worker's start). Other tensors, in any thread, are initialized as always."""
     names = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_", "zeros_", "ones_")
     saved = {n: getattr(torch.nn.init, n) for n in names}
+
+    def skipping(init):
+        return lambda tensor, *args, **kwargs: tensor if tensor.is_meta else init(tensor, *args, **kwargs)
+
     try:
-        for n in names:
-            setattr(torch.nn.init, n, lambda tensor, *args, **kwargs: tensor)
+        for n, init in saved.items():
+            setattr(torch.nn.init, n, skipping(init))
         yield
     finally:
-        for n, fn in saved.items():
-            setattr(torch.nn.init, n, fn)
+        for n, init in saved.items():
+            setattr(torch.nn.init, n, init)
 
 
 def empty_model(config: Qwen3Config, dtype: torch.dtype, device,
                 parallel: TensorParallel = SINGLE) -> Qwen3ForCausalLM:
     """A model (this rank's part of it) with uninitialized weights of `dtype` on `device`
     (built on meta: no double allocation)."""
-    with torch.device("meta"), _no_init():
+    with torch.device("meta"), _no_init_on_meta():
         model = Qwen3ForCausalLM(config, parallel)
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()
