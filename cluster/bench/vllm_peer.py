@@ -69,6 +69,20 @@ def peer_dtype(requested: str = "auto") -> str:
     return "bfloat16" if cpu_class() in ("amx_bf16", "avx512_bf16") else "float32"
 
 
+def _wait_stopped(pid: int, timeout_s: float = 5.0) -> None:
+    """Until /proc says pid is stopped (or gone, or timeout_s passed; no /proc: return at once)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return
+        if state in ("T", "t", "Z", "X"):
+            return
+        time.sleep(0.001)
+
+
 class VLLMPeer:
     """One vLLM engine in a subprocess for the life of the object; `run` may be called repeatedly.
 
@@ -100,12 +114,16 @@ class VLLMPeer:
         self._signal(signal.SIGSTOP)
 
     def _signal(self, sig: int) -> None:
-        """sig to the peer's whole process group (vLLM's own processes included)."""
+        """sig to the peer's whole process group (vLLM's own processes included). A stop returns
+        once the script is seen stopped: a signal is delivered asynchronously, and the system
+        measured next must not start while the peer still runs."""
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
-                pass
+                return
+            if sig == signal.SIGSTOP:
+                _wait_stopped(self.proc.pid)
 
     def _send(self, message: dict) -> None:
         self.proc.stdin.write(json.dumps(message) + "\n")
