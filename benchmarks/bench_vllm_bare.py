@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import time
 
 from cluster.bench.command import parse_range
@@ -49,7 +50,7 @@ def main() -> None:
     t = time.perf_counter()
     peer = VLLMPeer(a.checkpoint, dtype=dtype, max_num_seqs=a.batch_size,
                     max_num_batched_tokens=a.max_num_batched_tokens, block_size=None, threads=a.threads,
-                    venv=a.peers_venv, log_path=os.path.join(os.path.dirname(a.checkpoint), "vllm-peer-bare.log"))
+                    venv=a.peers_venv, log_path=os.path.join(tempfile.gettempdir(), "vllm-peer-bare.log"))
     print(f"vLLM {peer.version} up in {time.perf_counter() - t:.0f}s", flush=True)
     model = load_model(a.checkpoint, dtype)
     try:

@@ -99,7 +99,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from cluster.engine_client import EngineClient
     from cluster.server import ServerState, build_app
 
-    cfg = cluster.EngineConfig.from_kwargs(**_engine_kwargs(a))
+    cfg = cluster.EngineConfig.from_kwargs(**_engine_kwargs(a), reserved_cpus=a.reserved_cpus)
     api_key = resolve_api_key(a.api_key)
     cluster.ensure_ray(a.address)
     actor, started = launch_detached(cfg, a.name)
@@ -155,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set RAYLM_API_KEY)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    s.add_argument("--reserved-cpus", type=int, default=1,
+                   help="CPU cores left to the HTTP server and engine actor when --threads-per-worker is not given "
+                        "(device cpu; default 1: a worker's torch threads stall whenever another process takes "
+                        "one of their cores)")
     s.set_defaults(func=cmd_serve)
 
     u = sub.add_parser("up", help="check a cluster YAML (validation, SSH to the head), then run `ray up` on it")

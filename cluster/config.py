@@ -30,6 +30,10 @@ class EngineConfig:
     blocks (None: room for max_num_seqs sequences of max_model_len within 1 GiB, at least
     512 blocks; workers/device.py default_cpu_blocks); on accelerators it is
     `memory_fraction` of the device's free memory.
+    On the CPU each worker computes with `threads_per_worker` torch threads (None: the
+    cluster's CPUs less `reserved_cpus`, split over every replica's ranks). `raylm serve`
+    reserves 1: its HTTP server and the engine actor then keep a core of their own (as vLLM's
+    CPU build reserves one for its API server) instead of stalling the worker's threads.
     `pipeline_depth` 2 dispatches step N+1 before step N returns; 1 turns that off.
     `device_outputs` None reads RAYLM_DEVICE_OUTPUTS (unset or 1: sample on the
     worker; 0: return full logits and sample on the driver, for A/B benchmarks).
@@ -64,6 +68,7 @@ class EngineConfig:
     pipeline_depth: int = 2
     device_outputs: bool | None = None
     threads_per_worker: int | None = None
+    reserved_cpus: int = 0
     seed: int = 0
     accelerator_resource: str | None = None
     step_timeout_s: float = 120.0
@@ -102,6 +107,7 @@ class EngineConfig:
         check_int("pipeline_depth", self.pipeline_depth, 1, 2)
         check_bool("device_outputs", self.device_outputs, optional=True)
         check_int("threads_per_worker", self.threads_per_worker, 1, optional=True)
+        check_int("reserved_cpus", self.reserved_cpus, 0)
         check_int("seed", self.seed, 0)
         if self.accelerator_resource is not None and (
                 not isinstance(self.accelerator_resource, str) or not self.accelerator_resource):

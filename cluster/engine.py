@@ -94,7 +94,8 @@ class Engine:
             check_shardable(load_config(self.model_path), tp)  # before any actor starts
             self.tokenizer = load_tokenizer(self.model_path)
             self.eos_token_ids = frozenset(eos_token_ids(self.model_path))
-        threads = cfg.threads_per_worker or (default_threads(cfg.num_replicas, tp) if cfg.device == "cpu" else 1)
+        threads = cfg.threads_per_worker or (default_threads(cfg.num_replicas, tp, cfg.reserved_cpus)
+                                             if cfg.device == "cpu" else 1)
         resources = worker_resources(cfg.device, threads, cfg.accelerator_resource)
         runner_configs = [cfg.runner_config(i, model_path=self.model_path, num_threads=threads)
                           for i in range(cfg.num_replicas)]

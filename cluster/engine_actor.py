@@ -40,11 +40,15 @@ class EngineActor:
     async def open_frontend(self, frontend_id: str, lease_s: float) -> None:
         self._outboxes.open(frontend_id, lease_s)
 
+    # push / pull run per batch of a frontend's traffic (every few ms under load): no task event
+    # to the GCS for each, as for the workers' per-step execute
+    @ray.method(enable_task_events=False)
     async def push(self, frontend_id: str, ops: bytes) -> bytes:
         if not self._ready:
             raise RuntimeError("the engine is still loading")
         return self._outboxes.push(frontend_id, ops)
 
+    @ray.method(enable_task_events=False)
     async def pull(self, frontend_id: str, wait_s: float) -> bytes:
         return await self._outboxes.pull(frontend_id, wait_s)
 

@@ -42,6 +42,10 @@ class _StatsCollector:
             ("raylm_preemptions", "Requests preempted for recompute", "num_preemptions"),
             ("raylm_worker_restarts", "Worker actors restarted after a failure", "worker_restarts"),
             ("raylm_bytes_pulled", "Bytes returned by workers", "bytes_pulled"),
+            ("raylm_engine_steps", "Steps the workers returned", "steps_returned"),
+            ("raylm_decode_steps", "Steps of decode rows only", "decode_steps"),
+            ("raylm_worker_step_seconds", "Seconds workers spent executing steps (busy / wall: their use)",
+             "worker_time_s"),
         ]:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], float(s.get(key, 0)))

@@ -41,9 +41,10 @@ def worker_resources(device: str, threads: int, accelerator_resource: str | None
     return WorkerResources(num_cpus=num_cpus, accelerator=accelerator)
 
 
-def default_threads(num_replicas: int, tensor_parallel_size: int = 1) -> int:
-    """Torch threads per CPU worker so that replicas and their ranks don't fight over cores."""
-    cpus = int(ray.cluster_resources().get("CPU", 1))
+def default_threads(num_replicas: int, tensor_parallel_size: int = 1, reserved_cpus: int = 0) -> int:
+    """Torch threads per CPU worker so that replicas and their ranks don't fight over cores
+    (nor over the reserved_cpus left to the frontend); at least 1."""
+    cpus = int(ray.cluster_resources().get("CPU", 1)) - reserved_cpus
     return max(1, cpus // (num_replicas * tensor_parallel_size))
 
 

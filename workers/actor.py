@@ -61,6 +61,7 @@ class WorkerActor:
             "structured_output": xgrammar_installed(),
         }
 
+    @ray.method(enable_task_events=False)  # once per step: no task event to the GCS for each one
     def execute(self, plan_bytes: bytes) -> bytes:  # StepPlan bytes -> StepResult bytes
         result = self.runner.execute(StepPlan.from_bytes(plan_bytes))
         return result.to_bytes() if self.parallel.is_first else b""  # only rank 0's result is pulled

@@ -35,6 +35,20 @@ def test_tensor_parallel_size_flag_reaches_the_engine_config():
         cluster.EngineConfig(tensor_parallel_size=0)
 
 
+def test_serve_leaves_a_core_to_its_frontend_unless_the_threads_are_given(ray_session):
+    from cluster.placement import default_threads
+
+    a = build_parser().parse_args(["serve"])
+    assert a.reserved_cpus == 1
+    assert build_parser().parse_args(["serve", "--reserved-cpus", "0"]).reserved_cpus == 0
+    cpus = int(ray_session.cluster_resources()["CPU"])  # the session's Ray: 2
+    assert default_threads(1, 1, 0) == cpus and default_threads(1, 1, 1) == cpus - 1
+    assert default_threads(1, 1, cpus + 4) == 1  # never below one thread
+    assert default_threads(2, 1, 1) == max(1, (cpus - 1) // 2)
+    with pytest.raises(ValueError, match="reserved_cpus .*-1"):
+        cluster.EngineConfig(reserved_cpus=-1)
+
+
 def test_serve_defaults_bind_loopback_and_take_the_key_from_the_environment(monkeypatch):
     a = build_parser().parse_args(["serve"])
     assert a.host == "127.0.0.1"

@@ -129,6 +129,10 @@ def test_metrics_count_requests_by_finish_reason(server, client):
     for g in ("raylm_requests_running", "raylm_requests_waiting", "raylm_kv_cache_usage_ratio",
               "raylm_prefix_cache_hit_rate", "raylm_bytes_pulled_per_decode_step"):
         assert g in lines
+    # 3 tokens took at least a prefill and two decode steps, each with worker time
+    assert lines["raylm_engine_steps_total"] >= 3 and lines["raylm_decode_steps_total"] >= 2
+    assert lines["raylm_engine_steps_total"] > lines["raylm_decode_steps_total"]
+    assert lines["raylm_worker_step_seconds_total"] > 0
 
 
 def test_connect_gives_a_full_handle(server):

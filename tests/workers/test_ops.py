@@ -208,6 +208,55 @@ def test_elementwise_ops_and_linear_equal_the_reference(name, rows):
     torch.testing.assert_close(out, x @ weight[:150].t(), atol=1e-4, rtol=1e-4)
 
 
+@needs_cxx
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_fused_cpu_elementwise_kernels_equal_the_reference_on_the_models_views(rows, monkeypatch):
+    """The fused kernels read what the model hands them: q and k as strided views of the qkv
+    projection, the residual sum, gate/up halves of one tensor; rows past one thread's share."""
+    monkeypatch.setenv("RAYLM_CPU_ELEMENTWISE", "fused")
+    ops, ref = get_op_table("cpu", "cpu"), get_op_table("cpu", "reference")
+    assert ops.describe()["elementwise"] == "fused-cpp"
+    gen = torch.Generator().manual_seed(rows)
+    h, kvh, d = 4, 2, 64
+    qkv = 3 * torch.randn(rows, (h + 2 * kvh) * d, generator=gen)
+    q, k = qkv[:, :h * d].reshape(rows, h, d), qkv[:, h * d:(h + kvh) * d].reshape(rows, kvh, d)
+    qw, kw = torch.rand(d, generator=gen) + 0.5, torch.rand(d, generator=gen) + 0.5
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+    cos, sin = ref.rotary_cos_sin(torch.randint(0, 30000, (rows,), generator=gen), inv_freq, torch.float32)
+    fused, eager = ops.qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin), ref.qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin)
+    for got, want in zip(fused, eager):
+        assert got.is_contiguous()
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(ops.rms_norm(q, qw, 1e-6), ref.rms_norm(q, qw, 1e-6))  # [T, H, D] view
+    x, res = torch.randn(rows, 256, generator=gen), torch.randn(rows, 256, generator=gen)
+    w = torch.rand(256, generator=gen) + 0.5
+    for got, want in zip(ops.add_rms_norm(x, res, w, 1e-6), ref.add_rms_norm(x, res, w, 1e-6)):
+        torch.testing.assert_close(got, want)
+    gu = 20 * torch.randn(rows, 2 * 96, generator=gen)
+    gu[0, :4] = torch.tensor([-200.0, -90.0, 90.0, 200.0])  # exp's clamps: silu(-x) -> -0, silu(x) -> x
+    torch.testing.assert_close(ops.silu_and_mul(gu), ref.silu_and_mul(gu), atol=1e-30, rtol=1e-6)
+    bf, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)  # other dtypes take the reference's ops
+    torch.testing.assert_close(ops.rms_norm(bf, wb, 1e-6), ref.rms_norm(bf, wb, 1e-6))
+
+
+def test_the_cpu_elementwise_path_is_chosen_by_env_and_refused_when_unknown(monkeypatch):
+    from workers.ops import cpu_kernels
+
+    monkeypatch.setenv("RAYLM_CPU_ELEMENTWISE", "eager")
+    assert get_op_table("cpu", "cpu").describe()["elementwise"] == "eager"
+    monkeypatch.setenv("RAYLM_CPU_ELEMENTWISE", "compiled")
+    with pytest.raises(ValueError, match="RAYLM_CPU_ELEMENTWISE must be eager or fused, got 'compiled'"):
+        get_op_table("cpu", "cpu")
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "failure", lambda: "OSError: no c++ here")
+    monkeypatch.setenv("RAYLM_CPU_ATTENTION", "gather")
+    monkeypatch.setenv("RAYLM_CPU_ELEMENTWISE", "fused")
+    with pytest.raises(RuntimeError, match="RAYLM_CPU_ELEMENTWISE=fused, but .* could not be built: OSError"):
+        get_op_table("cpu", "cpu")
+    monkeypatch.delenv("RAYLM_CPU_ELEMENTWISE")
+    assert get_op_table("cpu", "cpu").describe()["elementwise"] == "eager"  # no kernels: eager, said
+
+
 def test_an_unknown_table_name_is_refused():
     with pytest.raises(ValueError, match="ops must be one of .*got 'fast'"):
         get_op_table("cpu", "fast")

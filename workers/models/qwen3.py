@@ -98,10 +98,10 @@ class Qwen3Attention(nn.Module):
         t = x.shape[0]  # x: [T, hidden]
         qn, kvn = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = ops.linear(x, w["qkv"]).split([qn, kvn, kvn], dim=-1)  # [T, qn], [T, kvn], [T, kvn]
-        q = ops.rms_norm(q.reshape(t, self.num_heads, self.head_dim), self.q_norm.weight, self.q_norm.eps)
-        k = ops.rms_norm(k.reshape(t, self.num_kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps)
+        q, k = ops.qk_norm_rope(q.reshape(t, self.num_heads, self.head_dim),
+                                k.reshape(t, self.num_kv_heads, self.head_dim), self.q_norm.weight,
+                                self.k_norm.weight, self.q_norm.eps, cos, sin)  # [T, H, D], [T, KVH, D]
         v = v.reshape(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        q, k = ops.apply_rotary(q, k, cos, sin)  # [T, H, D], [T, KVH, D]
         ops.attention.write_kv(kv_cache, layer, k, v, attn)
         out = ops.attention.forward(q, k, v, kv_cache, layer, attn)  # [T, H * D]
         return self.parallel.all_reduce(ops.linear(out, w["o"]))  # [T, hidden], summed over the ranks

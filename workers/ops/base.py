@@ -133,6 +133,12 @@ class OpTable:
         """Rotate-half (neox) RoPE: q [T, H, D], k [T, KVH, D], cos/sin [T, D]."""
         raise NotImplementedError
 
+    def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                     eps: float, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3's per-head q/k RMSNorm, then RoPE: q [T, H, D], k [T, KVH, D] (views into the
+        qkv projection's output) -> rotated q, k. A table may fuse the two (CPU does)."""
+        return self.apply_rotary(self.rms_norm(q, q_weight, eps), self.rms_norm(k, k_weight, eps), cos, sin)
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, 2I] (gate then up) -> silu(x[:, :I]) * x[:, I:]  [T, I]."""
         raise NotImplementedError

@@ -10,7 +10,12 @@ with benchmarks/bench_gemm.py --packed (figures in docs/benchmarks.md):
   here; oneDNN's 1.2-2x at 64 rows, about even at 512+);
 - bf16/fp16 (AVX512-BF16 / AMX CPUs compute in bf16): "aten" (oneDNN under F.linear).
 RAYLM_CPU_LINEAR=aten|mkl-packed|onednn-packed overrides the choice; mkl-packed falls back to aten where
-the op is absent. Norms, RoPE and SwiGLU run the reference's op order (bit-identical), eager.
+the op is absent.
+
+Norms, RoPE and SwiGLU ("elementwise"): raylm's fused C++ kernels (workers/ops/csrc/elementwise.cpp:
+add + RMSNorm, q/k RMSNorm + RoPE, silu * up, each one pass) for fp32 tensors where the kernels
+built ("fused-cpp"); else the reference's eager ops ("eager"). RAYLM_CPU_ELEMENTWISE=eager|fused
+overrides ("fused" fails loudly where the kernels cannot be built).
 """
 
 from __future__ import annotations
@@ -30,6 +35,22 @@ LINEAR_PATHS = ("aten", "mkl-packed", "onednn-packed")
 FP32_LINEAR = {"amx_bf16": "mkl-packed", "avx512_bf16": "mkl-packed", "avx512f": "mkl-packed",
                "avx2": "onednn-packed", "other": "aten"}
 _MKL_BATCH = 64  # the batch size hint MKL's packing takes (rows it is tuned for)
+ELEMENTWISE_ENV = "RAYLM_CPU_ELEMENTWISE"
+
+
+def fused_elementwise_kernels():
+    """torch.ops.raylm when the fused elementwise kernels serve (the default where they build),
+    else None (eager torch)."""
+    forced = os.environ.get(ELEMENTWISE_ENV)
+    if forced is not None and forced not in ("eager", "fused"):
+        raise ValueError(f"{ELEMENTWISE_ENV} must be eager or fused, got {forced!r}")
+    if forced == "eager":
+        return None
+    kernels = cpu_kernels.load()
+    if kernels is None and forced == "fused":
+        raise RuntimeError(f"{ELEMENTWISE_ENV}=fused, but raylm's CPU kernels could not be built: "
+                           f"{cpu_kernels.failure()}")
+    return kernels
 
 
 def linear_path(dtype: torch.dtype) -> str:
@@ -70,11 +91,45 @@ class CPUOps(ReferenceOps):
         super().__init__()
         self.attention = make_cpu_attention()
         self.linear_paths: set[str] = set()  # the paths prepared weights took (a model may mix dtypes)
+        self.fused = fused_elementwise_kernels()
 
     def describe(self) -> dict:
         kernels = "built" if cpu_kernels.load() is not None else f"not built: {cpu_kernels.failure()}"
         return {**super().describe(), "cpu": cpu_class(), "linear": ",".join(sorted(self.linear_paths)) or None,
-                "elementwise": "eager", "kernels": kernels}
+                "elementwise": "fused-cpp" if self.fused is not None else "eager", "kernels": kernels}
+
+    def _fusable(self, *tensors) -> bool:
+        """The fused kernels compute fp32 on the CPU; anything else runs the reference's ops."""
+        return self.fused is not None and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+    def rms_norm(self, x, weight, eps):
+        if not self._fusable(x, weight) or not (x.dim() == 2 or (x.dim() == 3 and x.stride(1) == x.shape[2])):
+            return super().rms_norm(x, weight, eps)
+        out = torch.empty(x.shape, dtype=x.dtype)
+        self.fused.rms_norm(out, x, weight, eps)
+        return out
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        if not self._fusable(x, residual, weight) or x.dim() != 2 or x.stride(1) != 1 or residual.stride(1) != 1:
+            return super().add_rms_norm(x, residual, weight, eps)
+        out, s = torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
+        self.fused.add_rms_norm(out, s, x, residual, weight, eps)
+        return out, s
+
+    def qk_norm_rope(self, q, k, q_weight, k_weight, eps, cos, sin):
+        if not self._fusable(q, k, q_weight, k_weight, cos, sin) or q.stride(1) != q.shape[2] \
+                or k.stride(1) != k.shape[2] or q.stride(2) != 1 or k.stride(2) != 1:
+            return super().qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)
+        q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
+        self.fused.qk_norm_rope(q_out, k_out, q, k, q_weight, k_weight, eps, cos, sin)
+        return q_out, k_out
+
+    def silu_and_mul(self, x):
+        if not self._fusable(x) or x.dim() != 2 or x.stride(1) != 1:
+            return super().silu_and_mul(x)
+        out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
+        self.fused.silu_and_mul(out, x)
+        return out
 
     def prepare_linear(self, weight, bias=None):
         if weight.dtype != torch.float32 and isinstance(self.attention, PagedAttention):

@@ -26,8 +26,10 @@ import torch
 
 from workers.ops.cpu_features import cpu_flags
 
-SOURCES = (Path(__file__).with_name("csrc") / "paged_attention.cpp",)
-CFLAGS = ("-O3", "-march=native", "-fopenmp")
+_CSRC = Path(__file__).with_name("csrc")
+SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "elementwise.cpp")
+HEADERS = (_CSRC / "vec_math.h",)
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math")  # no FP traps: branch-free math vectorizes
 ENV_CACHE = "RAYLM_KERNEL_CACHE"
 
 log = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ def cache_root() -> Path:
 
 def build_name() -> str:
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in (*SOURCES, *HEADERS):
         h.update(src.read_bytes())
     h.update(" ".join((torch.__version__, sys.version, *CFLAGS, *sorted(cpu_flags()))).encode())
     return f"raylm_cpu_kernels_{h.hexdigest()[:16]}"

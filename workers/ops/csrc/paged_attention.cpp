@@ -16,6 +16,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
 
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
@@ -79,8 +81,9 @@ void attend_all(float* op, const float* qp, const float* kp, const float* vp, co
         float mx = -std::numeric_limits<float>::infinity();
         for (int64_t p = 0; p < len; ++p) mx = std::max(mx, s[p]);
         float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t p = 0; p < len; ++p) {
-          s[p] = std::exp(s[p] - mx);
+          s[p] = raylm::fast_exp(s[p] - mx);
           sum += s[p];
         }
         inv[qh] = 1.f / sum;
@@ -146,6 +149,8 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor key_cache, at::Ten
     run(std::integral_constant<int64_t, 128>());
   } else if (head_dim == 64) {
     run(std::integral_constant<int64_t, 64>());
+  } else if (head_dim == 32) {
+    run(std::integral_constant<int64_t, 32>());
   } else {
     run(std::integral_constant<int64_t, 0>());
   }

@@ -1,0 +1,32 @@
+// Small float math the kernels share, written as plain loops the compiler vectorizes
+// (-O3 -march=native: one AVX2 / AVX-512 lane per element).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace raylm {
+
+// exp(x) in float32 within ~2 ulp over the range that does not overflow: x = n ln2 + r with
+// |r| <= ln2 / 2 (ln2 split in two for an exact product), a degree-6 polynomial for e^r, 2^n
+// put into the exponent bits. Branch-free, so a loop of it vectorizes (std::exp does not).
+inline float fast_exp(float x) {
+  x = x < -87.33f ? -87.33f : (x > 88.3f ? 88.3f : x);  // 2^n stays a normal float
+  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+}  // namespace raylm
