@@ -55,26 +55,32 @@ class EngineActor:
     async def close_frontend(self, frontend_id: str) -> int:
         return self._outboxes.close(frontend_id)
 
-    def abort(self, request_id: str) -> bool:
-        return self.engine.abort(request_id)
+    # The rest may block (a lock the replica loop holds, a worker's stats call that waits for its
+    # step): on the executor, so the event loop keeps serving every frontend's push and pull.
+    async def abort(self, request_id: str) -> bool:
+        return await self._off_loop(self.engine.abort, request_id)
 
-    def stats(self) -> dict:
-        return {**self.engine.stats(), **self._outboxes.stats()}
+    async def stats(self) -> dict:
+        return {**await self._off_loop(self.engine.stats), **self._outboxes.stats()}
 
-    def health(self) -> dict:
+    async def health(self) -> dict:
         if not self._ready:
             return {"status": "unavailable", "reason": "the engine is still loading", "replicas": [],
                     "retry_after_s": 5}
-        return self.engine.health()
+        return await self._off_loop(self.engine.health)
 
-    def worker_stats(self) -> list[dict]:
-        return self.engine.worker_stats()
+    async def worker_stats(self) -> list[dict]:
+        return await self._off_loop(self.engine.worker_stats)
 
-    def metrics_text(self) -> bytes:
-        return self.engine.metrics_text()
+    async def metrics_text(self) -> bytes:
+        return await self._off_loop(self.engine.metrics_text)
 
-    def apply_chat_template(self, messages, tools=None, template_kwargs=None) -> str:
-        return self.engine.apply_chat_template(messages, tools, template_kwargs)
+    async def apply_chat_template(self, messages, tools=None, template_kwargs=None) -> str:
+        return await self._off_loop(self.engine.apply_chat_template, messages, tools, template_kwargs)
+
+    @staticmethod
+    async def _off_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

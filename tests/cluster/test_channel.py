@@ -209,3 +209,38 @@ def test_a_grammar_crosses_as_plain_fields_and_comes_back_a_grammar_spec():
         channel.params_from({**op[3], "grammar": {"kind": "xml", "text": ""}})
     with pytest.raises(ValueError, match="grammar must be a mapping"):
         channel.params_from({**op[3], "grammar": {"nonsense": 1}})
+
+
+def test_a_slow_stats_call_never_stalls_the_frontend_channel():
+    """/metrics, /health and worker stats run off the engine actor's event loop: while one
+    blocks (here: worker stats waiting 1 s on a busy worker), pushes and pulls go on."""
+    import time
+
+    from cluster.engine_actor import EngineActor
+
+    class SlowStatsEngine(FakeEngine):
+        def worker_stats(self):
+            time.sleep(1.0)
+            return [{"pid": 1}]
+
+        def stats(self):
+            return {"num_running": len(self.sinks)}
+
+    async def main():
+        actor = EngineActor.__new__(EngineActor)  # the actor's methods, without Ray or a model
+        actor.engine, actor._ready = SlowStatsEngine(), True
+        actor._outboxes = Outboxes(actor.engine)
+        await actor.open_frontend("fe", 30.0)
+        slow = asyncio.ensure_future(actor.worker_stats())
+        await asyncio.sleep(0.05)
+        t0 = time.perf_counter()
+        await actor.push("fe", channel.pack([channel.submit_op("a", "p", None)]))
+        pending = asyncio.ensure_future(actor.pull("fe", 5.0))
+        actor.engine.sinks["a"].put(StreamDelta("a", "x", [1]))
+        entries = channel.unpack(await pending)
+        assert (await actor.stats())["num_running"] == 1
+        assert time.perf_counter() - t0 < 0.5 and not slow.done()  # served while worker stats waited
+        assert [(e[0], e[1]) for e in entries] == [("a", "x")]
+        assert await slow == [{"pid": 1}]
+
+    asyncio.run(main())
