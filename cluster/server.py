@@ -17,6 +17,7 @@ choice's index; the usage chunk comes once, after the last choice finished.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import time
@@ -31,6 +32,7 @@ from cluster import openai_api as oa
 from cluster import tokenize_api as tk
 from cluster.chat_output import ChatOutput
 from cluster.errors import EngineDeadError, EngineOverloadedError
+from scheduler.request import SamplingParams
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs until the context is full
@@ -52,6 +54,12 @@ class ApiError(Exception):
                             headers=headers)
 
 
+# what a request's body may name: the sampling fields and the API's own
+_REQUEST_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) | {
+    "prompt", "messages", "model", "n", "max_completion_tokens", "response_format", "tools", "tool_choice",
+    "stream_options", "echo", "suffix", "best_of", "user"}
+
+
 def _from_exception(e: BaseException) -> ApiError:
     if isinstance(e, ApiError):
         return e
@@ -59,9 +67,15 @@ def _from_exception(e: BaseException) -> ApiError:
         return ApiError(429, str(e), "rate_limit_error")
     if isinstance(e, EngineDeadError):
         return ApiError(503, str(e), "service_unavailable", retry_after=e.retry_after_s)
-    if isinstance(e, ValueError):
-        return ApiError(400, str(e))
+    if isinstance(e, ValueError):  # the engine's own checks name the field first: it is the error's param
+        return ApiError(400, str(e), param=_leading_field(str(e)))
     return ApiError(500, f"{type(e).__name__}: {e}", "internal_error")
+
+
+def _leading_field(message: str) -> str | None:
+    """The request field a validation message starts with ("logit_bias token id 99999 is ..."), if any."""
+    first = message.split(" ", 1)[0]
+    return first if first in _REQUEST_FIELDS else None
 
 
 class BodyLimit:

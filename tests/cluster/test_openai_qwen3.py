@@ -203,4 +203,5 @@ def test_bad_penalties_are_a_400_naming_the_field_and_value(client, kwargs, fiel
         with pytest.raises(openai.BadRequestError) as e:
             create(model=MODEL, max_tokens=4, **body, **kwargs)
         assert field in e.value.message and shown in e.value.message
+        assert e.value.param == field
     assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=2).usage.completion_tokens >= 1
