@@ -103,7 +103,8 @@ class CPUOps(ReferenceOps):
         return self.fused is not None and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
 
     def rms_norm(self, x, weight, eps):
-        if not self._fusable(x, weight) or not (x.dim() == 2 or (x.dim() == 3 and x.stride(1) == x.shape[2])):
+        if not self._fusable(x, weight) or x.stride(-1) != 1 \
+                or not (x.dim() == 2 or (x.dim() == 3 and x.stride(1) == x.shape[2])):
             return super().rms_norm(x, weight, eps)
         out = torch.empty(x.shape, dtype=x.dtype)
         self.fused.rms_norm(out, x, weight, eps)
