@@ -30,13 +30,13 @@ venv: $(BIN)/.installed $(BIN)/.kernels
 run: venv
 	$(BIN)/raylm generate "北京故宫是" --max-tokens 128
 
-# Everything, Ray included (7.5-8.6 minutes on 2 cores from a fresh clone, 2026-12-01; the goal is
-# 10): what needs no Ray runs on every core (pytest-xdist, one torch thread per worker so they do
-# not spin against each other); then the Ray tests (engine starts, restarts, timeouts), a test file
-# at a time on each of RAY_TEST_WORKERS workers, each with a local Ray of its own (6 workers
-# measured slower than 4 on 2 cores).
+# Everything, Ray included: what needs no Ray runs on every core (pytest-xdist, one torch thread
+# per worker so they do not spin against each other); then the Ray tests (engine starts, restarts,
+# timeouts), a test file at a time on each of RAY_TEST_WORKERS workers, each with a local Ray of
+# its own. On 2 cores, 2026-12-01 19:30 UTC, back to back: the Ray tests took 379 s on 3 workers,
+# 436 s on 4 (6 measured slower than 4 earlier); the rest 85 s; a fresh clone's venv ~3 minutes.
 TEST_WORKERS ?= $(shell nproc)
-RAY_TEST_WORKERS ?= 4
+RAY_TEST_WORKERS ?= 3
 test: venv
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not ray and not deploy" tests
 	$(BIN)/python -m pytest -q -n $(RAY_TEST_WORKERS) --dist loadfile -m "ray and not deploy" tests
