@@ -21,7 +21,7 @@ $(BIN)/.installed: pyproject.toml
 
 # raylm's CPU kernels (workers/ops/csrc), built for this machine's CPU into ~/.cache/raylm/kernels;
 # where they cannot be built the CPU table gathers instead (and says so), so this never fails the build
-$(BIN)/.kernels: $(BIN)/.installed $(wildcard workers/ops/csrc/*.cpp)
+$(BIN)/.kernels: $(BIN)/.installed $(wildcard workers/ops/csrc/*.cpp workers/ops/csrc/*.h)
 	$(BIN)/python -m workers.ops.cpu_kernels || true
 	touch $@
 
