@@ -17,7 +17,6 @@ choice's index; the usage chunk comes once, after the last choice finished.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import json
 import time
@@ -32,7 +31,6 @@ from cluster import openai_api as oa
 from cluster import tokenize_api as tk
 from cluster.chat_output import ChatOutput
 from cluster.errors import EngineDeadError, EngineOverloadedError
-from scheduler.request import SamplingParams
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs until the context is full
@@ -54,10 +52,8 @@ class ApiError(Exception):
                             headers=headers)
 
 
-# what a request's body may name: the sampling fields and the API's own
-_REQUEST_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) | {
-    "prompt", "messages", "model", "n", "max_completion_tokens", "response_format", "tools", "tool_choice",
-    "stream_options", "echo", "suffix", "best_of", "user"}
+# what a request's body may name: the fields of the API's own request models
+_REQUEST_FIELDS = frozenset(oa.CompletionRequest.model_fields) | frozenset(oa.ChatCompletionRequest.model_fields)
 
 
 def _from_exception(e: BaseException) -> ApiError:
