@@ -24,6 +24,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (CPU)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads-per-worker", type=int, default=None)
+    p.add_argument("--prefill-threads-per-worker", type=int, default=None,
+                   help="torch threads of steps of >= 256 tokens (default: with the reserved cores lent back)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
     p.add_argument("--max-waiting-requests", type=int, default=None,
@@ -40,6 +42,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     kw = dict(model=a.model, device=a.device, num_replicas=a.replicas, dtype=a.dtype,
               num_kv_blocks=a.num_kv_blocks, max_model_len=a.max_model_len, threads_per_worker=a.threads_per_worker,
+              prefill_threads_per_worker=a.prefill_threads_per_worker,
               accelerator_resource=a.accelerator_resource, enforce_eager=a.enforce_eager, graph_sizes=a.graph_sizes,
               tensor_parallel_size=a.tensor_parallel_size)
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):  # unset: EngineConfig's default

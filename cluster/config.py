@@ -34,6 +34,10 @@ class EngineConfig:
     cluster's CPUs less `reserved_cpus`, split over every replica's ranks). `raylm serve`
     reserves 1: its HTTP server and the engine actor then keep a core of their own (as vLLM's
     CPU build reserves one for its API server) instead of stalling the worker's threads.
+    Steps of 256 tokens or more (prefill chunks) compute with `prefill_threads_per_worker`
+    (None: the reserved cores lent back, i.e. the split without reserved_cpus, when
+    threads_per_worker is None; else threads_per_worker): such a step streams one token per
+    running request over a long compute, so the frontend's core is nearly idle meanwhile.
     `pipeline_depth` 2 dispatches step N+1 before step N returns; 1 turns that off.
     `device_outputs` None reads RAYLM_DEVICE_OUTPUTS (unset or 1: sample on the
     worker; 0: return full logits and sample on the driver, for A/B benchmarks).
@@ -69,6 +73,7 @@ class EngineConfig:
     device_outputs: bool | None = None
     threads_per_worker: int | None = None
     reserved_cpus: int = 0
+    prefill_threads_per_worker: int | None = None
     seed: int = 0
     accelerator_resource: str | None = None
     step_timeout_s: float = 120.0
@@ -108,6 +113,11 @@ class EngineConfig:
         check_bool("device_outputs", self.device_outputs, optional=True)
         check_int("threads_per_worker", self.threads_per_worker, 1, optional=True)
         check_int("reserved_cpus", self.reserved_cpus, 0)
+        check_int("prefill_threads_per_worker", self.prefill_threads_per_worker, 1, optional=True)
+        if (self.prefill_threads_per_worker is not None and self.threads_per_worker is not None
+                and self.prefill_threads_per_worker < self.threads_per_worker):
+            raise ValueError(f"prefill_threads_per_worker must be >= threads_per_worker {self.threads_per_worker}, "
+                             f"got {self.prefill_threads_per_worker}")
         check_int("seed", self.seed, 0)
         if self.accelerator_resource is not None and (
                 not isinstance(self.accelerator_resource, str) or not self.accelerator_resource):
@@ -141,16 +151,19 @@ class EngineConfig:
         return asdict(self)
 
     # ---- derived settings: the one place they are mapped ----
-    def runner_config(self, replica_index: int, *, model_path: str, num_threads: int) -> RunnerConfig:
+    def runner_config(self, replica_index: int, *, model_path: str, num_threads: int,
+                      prefill_threads: int | None = None) -> RunnerConfig:
         """Replica `replica_index`'s worker settings. `model_path` is the resolved model
         (the bundled one when `model` is None), `num_threads` the torch threads of a CPU
-        worker. RAYLM_DEVICE_OUTPUTS is read here, once."""
+        worker, `prefill_threads` those of its big steps (None: num_threads).
+        RAYLM_DEVICE_OUTPUTS is read here, once."""
         return RunnerConfig(
             model=model_path, device=self.device, dtype=self.dtype, block_size=self.block_size,
             num_kv_blocks=self.num_kv_blocks, memory_fraction=self.memory_fraction,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, device_outputs=device_outputs_enabled(self.device_outputs),
             seed=self.seed + replica_index, num_threads=num_threads if self.device == "cpu" else None,
+            prefill_threads=prefill_threads if self.device == "cpu" else None,
             enforce_eager=self.enforce_eager, graph_sizes=None if self.graph_sizes is None else tuple(self.graph_sizes),
         )
 

@@ -28,7 +28,7 @@ from cluster.detokenizer import IncrementalDetokenizer
 from cluster.errors import EngineDeadError, EngineOverloadedError
 from cluster.metrics import EngineMetrics
 from cluster.outputs import RequestMetrics, RequestOutput, StreamDelta, TokenLogprob
-from cluster.placement import create_replica_groups, default_threads, release, worker_resources
+from cluster.placement import cpu_worker_threads, create_replica_groups, release, worker_resources
 from cluster.replica import Replica
 from cluster.router import Router
 from cluster.stream import RequestStream
@@ -94,10 +94,12 @@ class Engine:
             check_shardable(load_config(self.model_path), tp)  # before any actor starts
             self.tokenizer = load_tokenizer(self.model_path)
             self.eos_token_ids = frozenset(eos_token_ids(self.model_path))
-        threads = cfg.threads_per_worker or (default_threads(cfg.num_replicas, tp, cfg.reserved_cpus)
-                                             if cfg.device == "cpu" else 1)
+        threads, prefill_threads = (cpu_worker_threads(cfg.num_replicas, tp, cfg.threads_per_worker, cfg.reserved_cpus,
+                                                       cfg.prefill_threads_per_worker)
+                                    if cfg.device == "cpu" else (cfg.threads_per_worker or 1,) * 2)
         resources = worker_resources(cfg.device, threads, cfg.accelerator_resource)
-        runner_configs = [cfg.runner_config(i, model_path=self.model_path, num_threads=threads)
+        runner_configs = [cfg.runner_config(i, model_path=self.model_path, num_threads=threads,
+                                            prefill_threads=prefill_threads)
                           for i in range(cfg.num_replicas)]
         self.device_outputs = runner_configs[0].device_outputs
         groups = create_replica_groups(resources, cfg.num_replicas, cfg.start_timeout_s, tp)

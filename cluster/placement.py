@@ -41,6 +41,17 @@ def worker_resources(device: str, threads: int, accelerator_resource: str | None
     return WorkerResources(num_cpus=num_cpus, accelerator=accelerator)
 
 
+def cpu_worker_threads(num_replicas: int, tensor_parallel_size: int, threads_per_worker: int | None,
+                       reserved_cpus: int, prefill_threads_per_worker: int | None) -> tuple[int, int]:
+    """(torch threads of a CPU worker's steps, of its big prefill steps): the given ones, else
+    the cluster's CPUs split over the ranks, less reserved_cpus for steps and with them for
+    prefill (the reserved cores are lent back during big steps); prefill never below steps."""
+    threads = threads_per_worker or default_threads(num_replicas, tensor_parallel_size, reserved_cpus)
+    prefill = prefill_threads_per_worker or (
+        threads if threads_per_worker else default_threads(num_replicas, tensor_parallel_size, 0))
+    return threads, max(threads, prefill)
+
+
 def default_threads(num_replicas: int, tensor_parallel_size: int = 1, reserved_cpus: int = 0) -> int:
     """Torch threads per CPU worker so that replicas and their ranks don't fight over cores
     (nor over the reserved_cpus left to the frontend); at least 1."""

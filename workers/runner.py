@@ -67,8 +67,14 @@ class ModelRunner:
         self.parallel = parallel
         if model is not None and parallel.enabled:
             raise ValueError("a given model cannot be tensor-parallel: each rank loads its own shard")
+        # CPU threads per step: (threads for small steps, for steps of >= prefill_thread_tokens)
+        self.cpu_threads: tuple[int, int] | None = None
         if config.device == "cpu" and config.num_threads is not None:
             set_cpu_threads(config.num_threads)
+            prefill = config.prefill_threads or config.num_threads
+            if prefill < config.num_threads:
+                raise ValueError(f"prefill_threads must be >= num_threads {config.num_threads}, got {prefill}")
+            self.cpu_threads = (config.num_threads, prefill)
         self.device = torch_device(config.device, config.device_index)
         tokenizer_size = None
         self.weights_fingerprint: float | None = None  # set for random models, to check copies agree
@@ -166,12 +172,23 @@ class ModelRunner:
                 self.slot_sampling.admit(req.slot, state.sampling, state.token_ids, state.num_prompt)
         result = StepResult(step_id=plan.step_id, logits_shape=(0, 0 if self.device_outputs else self.vocab_size))
         if rows:
+            self._set_step_threads(plan.num_tokens)
             with torch.inference_mode():
                 self._run(rows, result)
             self.num_steps += 1
             self.num_tokens += plan.num_tokens
         result.step_time = time.perf_counter() - t0
         return result
+
+    def _set_step_threads(self, num_tokens: int) -> None:
+        """CPU: a big step (a prefill chunk) computes with prefill_threads, others with
+        num_threads. Big steps stream few tokens per second of compute, so the cores a
+        frontend keeps for streaming decode steps' tokens are nearly idle during them."""
+        if self.cpu_threads is None or self.cpu_threads[0] == self.cpu_threads[1]:
+            return
+        want = self.cpu_threads[num_tokens >= self.config.prefill_thread_tokens]
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
 
     def _run(self, rows, result: StepResult) -> None:
         mc = self.model.config
@@ -274,6 +291,9 @@ class ModelRunner:
             "collective_s": self.parallel.collective_s,
             "collectives": self.parallel.num_collectives,
             "ops": self.ops.describe(),
+            "cpu_threads": None if self.cpu_threads is None else {
+                "step": self.cpu_threads[0], "prefill": self.cpu_threads[1],
+                "prefill_min_tokens": self.config.prefill_thread_tokens},
             "decode_graphs": None if self.graphs is None else {
                 "sizes": list(self.graphs.sizes), "capture_s": self.graphs.report.seconds,
                 "capture_bytes": self.graphs.report.memory_bytes, "replays": self.graphs.num_replays},

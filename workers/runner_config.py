@@ -65,6 +65,10 @@ class RunnerConfig:
     device_outputs: bool | None = None  # None -> RAYLM_DEVICE_OUTPUTS (default on)
     seed: int = 0  # for unseeded sampling
     num_threads: int | None = None  # torch.set_num_threads on the CPU when given
+    # CPU: torch threads for a step of at least prefill_thread_tokens tokens (prefill chunks);
+    # None -> num_threads. More than num_threads borrows cores a frontend keeps during decode.
+    prefill_threads: int | None = None
+    prefill_thread_tokens: int = 256
     ops: str | None = None  # op table: "reference" | "cpu" | "cuda" | "npu"; None -> RAYLM_OPS or the device's own
     enforce_eager: bool = False  # True: no decode graphs on accelerators (workers/graphs.py)
     graph_sizes: tuple[int, ...] | None = None  # decode graph buckets; None -> powers of two up to max_num_seqs

@@ -17,6 +17,7 @@ from workers.runner_config import ENV_DEVICE_OUTPUTS, RunnerConfig
     ("memory_fraction", True), ("max_num_seqs", 0), ("max_num_seqs", None), ("max_num_batched_tokens", 0),
     ("max_model_len", 1), ("max_model_len", True), ("enable_prefix_caching", 1), ("pipeline_depth", 3),
     ("pipeline_depth", True), ("device_outputs", "yes"), ("threads_per_worker", 0), ("reserved_cpus", -1), ("seed", -1),
+    ("prefill_threads_per_worker", 0),
     ("accelerator_resource", ""), ("step_timeout_s", 0), ("step_timeout_s", float("inf")),
     ("max_worker_restarts", -1), ("max_waiting_requests", 0), ("start_timeout_s", -1.0), ("model", ""),
     ("enforce_eager", 1), ("graph_sizes", []), ("graph_sizes", [0, 4]), ("graph_sizes", [65]), ("graph_sizes", 8),

@@ -49,6 +49,25 @@ def test_serve_leaves_a_core_to_its_frontend_unless_the_threads_are_given(ray_se
         cluster.EngineConfig(reserved_cpus=-1)
 
 
+def test_prefill_steps_get_the_reserved_cores_back_unless_the_threads_are_given(ray_session):
+    from cluster.cli import _engine_kwargs
+    from cluster.placement import cpu_worker_threads
+
+    cpus = int(ray_session.cluster_resources()["CPU"])  # the session's Ray: 2
+    assert cpu_worker_threads(1, 1, None, 1, None) == (max(1, cpus - 1), cpus)  # raylm serve's default
+    assert cpu_worker_threads(1, 1, None, 0, None) == (cpus, cpus)
+    assert cpu_worker_threads(1, 1, 1, 1, None) == (1, 1)  # given threads are kept for every step
+    assert cpu_worker_threads(1, 1, 1, 1, 3) == (1, 3)
+    assert cpu_worker_threads(1, 1, 2, 0, 1) == (2, 2)  # never fewer for prefill than for steps
+    a = build_parser().parse_args(["serve", "--prefill-threads-per-worker", "3", "--threads-per-worker", "2"])
+    cfg = cluster.EngineConfig.from_kwargs(**_engine_kwargs(a))
+    assert (cfg.threads_per_worker, cfg.prefill_threads_per_worker) == (2, 3)
+    with pytest.raises(ValueError, match="prefill_threads_per_worker must be >= threads_per_worker 2, got 1"):
+        cluster.EngineConfig(threads_per_worker=2, prefill_threads_per_worker=1)
+    runner = cfg.runner_config(0, model_path="m", num_threads=2, prefill_threads=3)
+    assert (runner.num_threads, runner.prefill_threads) == (2, 3)
+
+
 def test_serve_defaults_bind_loopback_and_take_the_key_from_the_environment(monkeypatch):
     a = build_parser().parse_args(["serve"])
     assert a.host == "127.0.0.1"

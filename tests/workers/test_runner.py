@@ -238,6 +238,30 @@ def test_runner_reports_its_sizes():
     runner.close()
 
 
+def test_big_steps_compute_with_the_prefill_threads_and_small_ones_with_the_step_threads(expected):
+    before = torch.get_num_threads()
+    try:
+        runner = make_runner(num_threads=1, prefill_threads=2, prefill_thread_tokens=20)
+        assert runner.stats()["cpu_threads"] == {"step": 1, "prefill": 2, "prefill_min_tokens": 20}
+        seen = []
+        forward = runner.model.forward
+
+        def spy(*args, **kw):
+            seen.append(torch.get_num_threads())
+            return forward(*args, **kw)
+
+        runner.model.forward = spy
+        driver = PlanDriver(runner)
+        for prompt in PROMPTS:  # one step of 3 + 30 + 17 + 23 + 6 prompt tokens, then decode steps of 5 rows
+            driver.add(prompt)
+        assert driver.generate(NEW) == expected  # the same tokens whatever the threads
+        assert seen[0] == 2 and set(seen[1:]) == {1}
+        with pytest.raises(ValueError, match="prefill_threads must be >= num_threads 2, got 1"):
+            make_runner(num_threads=2, prefill_threads=1)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_step_where_no_row_samples_returns_no_ids():
     runner = make_runner()
     plan = StepPlan(0, new_requests=[NewRequest(0, PROMPTS[1], 0, list(range(8)), WorkerSampling())],
