@@ -385,6 +385,21 @@ def completion_chunk(rid: str, model: str, created: int, delta: StreamDelta, tex
                          "finish_reason": finish_reason(delta.finish_reason)}]}
 
 
+class CompletionChunkText:
+    """completion_chunk's JSON text for a delta without logprobs, from a prefix encoded once
+    per stream: the same object, in the same key order, as json.dumps(completion_chunk(...))."""
+
+    def __init__(self, rid: str, model: str, created: int):
+        head = json.dumps({"id": rid, "object": "text_completion", "created": created, "model": model},
+                          ensure_ascii=False)
+        self.head = head[:-1] + ', "choices": [{"index": '
+
+    def __call__(self, delta: StreamDelta) -> str:
+        reason = finish_reason(delta.finish_reason)
+        return (f'{self.head}{delta.index}, "text": {json.dumps(delta.text, ensure_ascii=False)}, '
+                f'"logprobs": null, "finish_reason": {"null" if reason is None else json.dumps(reason)}}}]}}')
+
+
 def chat_chunk(rid: str, model: str, created: int, delta: dict, logprobs=None, reason: str | None = None,
                index: int = 0) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,

@@ -22,7 +22,7 @@ import json
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -180,7 +180,7 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         if body.stream:
             if len(prompts) != 1:
                 raise ApiError(400, f"streaming takes one prompt, got {len(prompts)}", param="prompt")
-            return await _stream(handle.astream_batches(prompts[0], params), _completion_events(rid, body))
+            return await _stream(handle.astream_batches(prompts[0], params), _CompletionEvents(rid, body))
         outs = await _unless_disconnected(request, _generate_all(handle, prompts, params))
         if outs is None:
             return Response(status_code=499)  # nobody reads it
@@ -204,7 +204,7 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         parsers = [ChatOutput(prompt, parse_tools=body.effective_tool_choice() != "none", forced_prefix=prefix)
                    for _ in range(body.n)]  # one per choice: a stream's parser keeps state
         if body.stream:
-            return await _stream(handle.astream_batches(prompt, params), _chat_events(rid, body, parsers))
+            return await _stream(handle.astream_batches(prompt, params), _ChatEvents(rid, body, parsers))
         outs = await _unless_disconnected(request, _generate_all(handle, [prompt], params))
         if outs is None:
             return Response(status_code=499)
@@ -317,22 +317,70 @@ def _raise_if_failed(outs) -> None:
 
 
 async def _stream(batches, render):
-    """Start the request (so bad input is a plain 400), then stream SSE events: one
-    write per batch of deltas (a client that fell behind gets them joined)."""
+    """Start the request (so bad input is a plain 400), then stream its SSE events."""
     try:
         first = await batches.__anext__()
     except Exception as e:
         raise _from_exception(e) from e
+    return _EventStream(first, batches, render)
 
-    async def events():
+
+def _sse(chunks: list) -> bytes:
+    """SSE events for chunks, each a dict or its JSON text already."""
+    return "".join(f"data: {c if isinstance(c, str) else json.dumps(c, ensure_ascii=False)}\n\n"
+                   for c in chunks).encode()
+
+
+class _EventStream(Response):
+    """An SSE response written straight to the ASGI `send`: one write per batch of deltas
+    (a client that fell behind gets them joined), rendered by `render(batch) -> (chunks,
+    last)`. Written for the per-token path: no generator stack or task group per chunk
+    (StreamingResponse's), one watcher task per stream for the client's disconnect, which
+    closes `batches` (aborting the request), as does a send that fails."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, first, batches, render):  # as StreamingResponse: no body, so no content-length
+        self.status_code, self.background = 200, None
+        self.init_headers()
+        self.first, self.batches, self.render = first, batches, render
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        pump = asyncio.ensure_future(self._pump(send))
+        watch = asyncio.ensure_future(_wait_disconnect(receive))
         try:
-            async for chunks in render(first, batches):
-                yield "".join(f"data: {json.dumps(c, ensure_ascii=False)}\n\n" for c in chunks)
-            yield "data: [DONE]\n\n"
-        finally:  # the client went away: aclose aborts the request
-            await batches.aclose()
+            await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not pump.done():  # the client went away (or this handler was cancelled)
+                pump.cancel()
+            await asyncio.gather(pump, watch, return_exceptions=True)
+        if pump.cancelled():
+            return
+        if pump.exception() is not None:  # mid-stream: the server's error log and a cut connection tell it
+            raise pump.exception()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    async def _pump(self, send) -> None:
+        try:
+            batch, render = self.first, self.render
+            while batch is not None:
+                chunks, last = render(batch)
+                if last:
+                    chunks.append("[DONE]")
+                await send({"type": "http.response.body", "body": _sse(chunks), "more_body": True})
+                if last:
+                    return
+                batch = await anext(self.batches, None)
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+        finally:  # done, failed or cancelled: closing the batches aborts an unfinished request
+            await self.batches.aclose()
+
+
+async def _wait_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _failed(d) -> dict:
@@ -357,46 +405,49 @@ class _StreamUsage:
                                self.generated)]
 
 
-def _completion_events(rid: str, body):
-    async def render(first, batches):
-        created, offsets = int(time.time()), [0] * body.n
-        usage = _StreamUsage(rid, "text_completion", body, created)
-        async for batch in _chain(first, batches):
-            chunks = []
-            for d in batch:
-                if d.finish_reason == "error":
-                    yield chunks + [_failed(d)]
-                    return
-                chunks.append(oa.completion_chunk(rid, body.model, created, d, offsets[d.index]))
-                offsets[d.index] += len(d.text)
-                chunks += usage.count(d)
-            yield chunks
-    return render
+class _CompletionEvents:
+    """A /v1/completions stream's chunks, batch by batch: (chunks, whether the stream ends)."""
 
-
-def _chat_events(rid: str, body, parsers: list[ChatOutput]):
-    async def render(first, batches):
+    def __init__(self, rid: str, body):
         created = int(time.time())
-        usage = _StreamUsage(rid, "chat.completion.chunk", body, created)
-        chunks = [oa.chat_chunk(rid, body.model, created, {"role": "assistant", "content": ""}, index=i)
-                  for i in range(body.n)]
-        async for batch in _chain(first, batches):
-            for d in batch:
-                if d.finish_reason == "error":
-                    yield chunks + [_failed(d)]
-                    return
-                parsed = parsers[d.index]
-                fields = parsed.feed_last(d.text) if d.finished else parsed.feed(d.text)
-                chunks.append(oa.chat_chunk(rid, body.model, created, fields, d.logprobs,
-                                            parsed.finish_reason(d.finish_reason) if d.finished else None,
-                                            index=d.index))
-                chunks += usage.count(d)
-            yield chunks
-            chunks = []
-    return render
+        self.rid, self.body, self.created, self.offsets = rid, body, created, [0] * body.n
+        self.usage = _StreamUsage(rid, "text_completion", body, created)
+        self.fast = oa.CompletionChunkText(rid, body.model, created)
+
+    def __call__(self, batch) -> tuple[list, bool]:
+        chunks = []
+        for d in batch:
+            if d.finish_reason == "error":
+                return chunks + [_failed(d)], True
+            if d.logprobs is None:
+                chunks.append(self.fast(d))
+            else:
+                chunks.append(oa.completion_chunk(self.rid, self.body.model, self.created, d, self.offsets[d.index]))
+            self.offsets[d.index] += len(d.text)
+            chunks += self.usage.count(d)
+        return chunks, False
 
 
-async def _chain(first, rest):
-    yield first
-    async for d in rest:
-        yield d
+class _ChatEvents:
+    """A /v1/chat/completions stream's chunks, batch by batch; the first batch's come after
+    each choice's role chunk."""
+
+    def __init__(self, rid: str, body, parsers: list[ChatOutput]):
+        created = int(time.time())
+        self.rid, self.body, self.created, self.parsers = rid, body, created, parsers
+        self.usage = _StreamUsage(rid, "chat.completion.chunk", body, created)
+        self.pending = [oa.chat_chunk(rid, body.model, created, {"role": "assistant", "content": ""}, index=i)
+                        for i in range(body.n)]
+
+    def __call__(self, batch) -> tuple[list, bool]:
+        chunks, self.pending = self.pending, []
+        for d in batch:
+            if d.finish_reason == "error":
+                return chunks + [_failed(d)], True
+            parsed = self.parsers[d.index]
+            fields = parsed.feed_last(d.text) if d.finished else parsed.feed(d.text)
+            chunks.append(oa.chat_chunk(self.rid, self.body.model, self.created, fields, d.logprobs,
+                                        parsed.finish_reason(d.finish_reason) if d.finished else None,
+                                        index=d.index))
+            chunks += self.usage.count(d)
+        return chunks, False
