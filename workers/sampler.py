@@ -9,9 +9,14 @@ E ~ Exp(1) per token, computed as argmax(logits / T - log E) so no softmax is ne
 Only a row with top-p sorts, and on the CPU only when its nucleus is not within the top
 TOP_P_CANDIDATES tokens; top-k uses topk.
 
+On the CPU (fp32), where raylm's kernels are built, the draw itself is one pass per row
+instead (`raylm::sample_rows`: inverse CDF of the softmax from one uniform per row, one exp
+per token against the race's uniform and two logs); RAYLM_CPU_SAMPLER=torch keeps the race.
+
 Randomness: unseeded rows share one batched draw from the Sampler's generator. A seeded
 row draws its own noise from a generator seeded by a stable mix of (seed, position), so
-its tokens do not depend on its batch companions, its row index, or preemption.
+its tokens do not depend on its batch companions, its row index, or preemption (the CPU
+kernel takes the same mix as the row's key; unseeded rows' keys come from the generator).
 
 Logprobs come from the model's raw distribution, log_softmax of the unmodified logits
 (no penalties, temperature, filters or min_tokens ban). Nothing here copies to the host except
@@ -20,6 +25,7 @@ Logprobs come from the model's raw distribution, log_softmax of the unmodified l
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +37,7 @@ from workers.resident import ResidentOutputs
 from workers.sampling_batch import SamplingBatch
 
 TOP_P_CANDIDATES = 1024  # CPU: top-p first looks for the nucleus among this many tokens
+SAMPLER_ENV = "RAYLM_CPU_SAMPLER"  # "fused" (default where the kernels build) or "torch"
 _TINY = torch.finfo(torch.float32).tiny
 
 
@@ -65,6 +72,22 @@ def _nucleus_cut(vals: torch.Tensor, peak: torch.Tensor, total: torch.Tensor, to
     return vals.gather(1, (n_keep - 1)[:, None]).squeeze(1), cum[:, -1] >= top_p
 
 
+def cpu_sampling_kernels():
+    """torch.ops.raylm when the CPU sampler draws with raylm's kernel (the default where it
+    builds; RAYLM_CPU_SAMPLER=torch: the exponential race in torch ops), else None."""
+    forced = os.environ.get(SAMPLER_ENV)
+    if forced is not None and forced not in ("torch", "fused"):
+        raise ValueError(f"{SAMPLER_ENV} must be torch or fused, got {forced!r}")
+    if forced == "torch":
+        return None
+    from workers.ops import cpu_kernels
+
+    kernels = cpu_kernels.load()
+    if kernels is None and forced == "fused":
+        raise RuntimeError(f"{SAMPLER_ENV}=fused, but raylm's CPU kernels could not be built: {cpu_kernels.failure()}")
+    return kernels
+
+
 class Sampler:
     """Samples token ids on `device`; owns the generator for unseeded random rows.
 
@@ -84,6 +107,7 @@ class Sampler:
         # top-p candidates tried before a full sort; 0 always sorts (accelerators: sort is cheap
         # there, and the fallback's decision would sync the host)
         self.top_p_candidates = TOP_P_CANDIDATES if self.device.type == "cpu" else 0
+        self.kernels = cpu_sampling_kernels() if self.device.type == "cpu" else None
 
     def _scratch(self, name: str, rows: int, vocab: int) -> torch.Tensor:
         return self.buffers.get_rows(f"sampler_{name}", rows, (vocab,), torch.float32)  # [rows, V]
@@ -145,6 +169,12 @@ class Sampler:
             thr = _fold(thr, b.min_p_rows, _subset(scores, b.min_p_rows).amax(dim=-1) + b.log_min_p)
         if b.top_k is not None or b.top_p is not None or b.log_min_p is not None:
             self._filter(scores, thr)
+        if self.kernels is not None:  # fp32 CPU: one pass per row, no noise tensor
+            keys = (torch.randint(-(1 << 63), (1 << 63) - 1, (R,), generator=self.generator, dtype=torch.int64)
+                    if b.any_unseeded else torch.empty(R, dtype=torch.int64))
+            for j, seed in b.seeded:
+                keys[j] = seed
+            return self.kernels.sample_rows(scores, keys)
         # Exponential race: E = -log(U), U ~ U[0, 1); argmax(p / E) = argmax(scores - log E).
         # (uniform_ + log is ~3x faster than exponential_ on the CPU and the same elsewhere.)
         noise = self._scratch("noise", R, V)  # [R, V]

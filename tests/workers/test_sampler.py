@@ -13,7 +13,7 @@ from scheduler.protocol import StepResult
 from scheduler.protocol import WorkerSampling as W
 from workers.logits_codec import encode_logits
 from workers.resident import ResidentOutputs
-from workers.sampler import Sampler, SamplingBatch, row_logprobs, sample_host
+from workers.sampler import SAMPLER_ENV, Sampler, SamplingBatch, row_logprobs, sample_host
 
 DEVICES = [
     "cpu",
@@ -21,6 +21,13 @@ DEVICES = [
         not torch.cuda.is_available(), reason="no CUDA device")]),
 ]
 N_DRAWS = 20000
+
+
+@pytest.fixture(autouse=True, params=["fused", "torch"])
+def cpu_draw(request, monkeypatch):
+    """Every test twice on the CPU: raylm's sampling kernel, and the exponential race in torch."""
+    monkeypatch.setenv(SAMPLER_ENV, request.param)
+    return request.param
 
 
 def sample(device, logits, params, positions=None, seed=0, sampler=None):
@@ -329,3 +336,19 @@ def test_scratch_buffers_are_reused_across_steps(device):
     assert len(own.buffers) > 0
     own.close()
     assert len(own.buffers) == 0
+
+
+def test_the_cpu_draw_is_chosen_by_the_environment(cpu_draw, monkeypatch):
+    sampler = Sampler(torch.device("cpu"))
+    assert (sampler.kernels is not None) == (cpu_draw == "fused")
+    monkeypatch.setenv(SAMPLER_ENV, "fast")
+    with pytest.raises(ValueError, match="RAYLM_CPU_SAMPLER must be torch or fused, got 'fast'"):
+        Sampler(torch.device("cpu"))
+
+
+def test_a_row_with_one_allowed_token_always_draws_it(cpu_draw):
+    logits = torch.full((64, 3000), -1e4)
+    logits[:, 1234] = 0.0
+    params = [W(temperature=1.0, min_p=0.5, seed=i if i % 2 else None) for i in range(64)]
+    out, _ = sample("cpu", logits, params)
+    assert out.token_ids.tolist() == [1234] * 64

@@ -27,7 +27,7 @@ import torch
 from workers.ops.cpu_features import cpu_flags
 
 _CSRC = Path(__file__).with_name("csrc")
-SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "elementwise.cpp")
+SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "elementwise.cpp", _CSRC / "sampling.cpp")
 HEADERS = (_CSRC / "vec_math.h",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math")  # no FP traps: branch-free math vectorizes
 ENV_CACHE = "RAYLM_KERNEL_CACHE"

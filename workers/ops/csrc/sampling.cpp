@@ -1,0 +1,84 @@
+// Random sampling's last pass for the CPU sampler (fp32): one draw per row from
+// softmax(scores[r]) by inverse CDF. Three passes over the row (max; exp and its sum; the
+// running sum until it passes U * sum), against the exponential race's uniform noise and two
+// logs per token in torch: the only transcendental per token is one vectorized exp.
+//
+// U comes from the row's 64-bit key (splitmix64, 53 bits, centred in its bin: U in (0, 1)):
+// a seeded row's key is its (seed, position) mix, so its draw does not depend on its batch
+// companions or row index; unseeded rows take keys drawn from the sampler's generator. A -inf
+// score (filtered) has probability 0 and is never drawn.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "vec_math.h"
+
+namespace {
+
+inline uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// the row's draw: softmax numerators into e, then the first id whose running sum passes u * sum
+int64_t draw_row(const float* __restrict s, float* __restrict e, int32_t n, double u) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  float m = neg_inf;
+#pragma omp simd reduction(max : m)
+  for (int32_t i = 0; i < n; ++i) m = s[i] > m ? s[i] : m;
+  if (m == neg_inf) return 0;  // nothing allowed (cannot happen after the sampler's filters)
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int32_t i = 0; i < n; ++i) {
+    const float v = s[i] == neg_inf ? 0.f : raylm::fast_exp(s[i] - m);
+    e[i] = v;
+    total += v;
+  }
+  const double target = u * static_cast<double>(total);
+  double run = 0.0;
+  int64_t last = 0;
+  for (int32_t i = 0; i < n; ++i) {
+    if (e[i] > 0.f) {
+      run += e[i];
+      last = i;
+      if (run > target) return i;
+    }
+  }
+  return last;  // the sums' rounding left the target past the end: the last allowed id
+}
+
+at::Tensor sample_rows(at::Tensor scores, at::Tensor keys) {
+  TORCH_CHECK(scores.scalar_type() == at::kFloat && scores.dim() == 2 && scores.stride(1) == 1,
+              "scores must be a float32 [R, V] with unit stride along V");
+  TORCH_CHECK(keys.scalar_type() == at::kLong && keys.dim() == 1 && keys.is_contiguous() &&
+                  keys.size(0) == scores.size(0),
+              "keys must be a contiguous int64 [R]");
+  const int64_t rows = scores.size(0), vocab = scores.size(1), rs = scores.stride(0);
+  TORCH_CHECK(vocab > 0 && vocab <= std::numeric_limits<int32_t>::max(), "vocab must be in [1, 2^31)");
+  at::Tensor out = at::empty({rows}, keys.options());
+  const float* sp = scores.data_ptr<float>();
+  const int64_t* kp = keys.data_ptr<int64_t>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> e(vocab);
+    for (int64_t r = begin; r < end; ++r) {
+      const uint64_t bits = splitmix64(static_cast<uint64_t>(kp[r])) >> 11;  // 53 bits
+      const double u = (static_cast<double>(bits) + 0.5) * (1.0 / 9007199254740992.0);
+      op[r] = draw_row(sp + r * rs, e.data(), static_cast<int32_t>(vocab), u);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(raylm, m) { m.def("sample_rows(Tensor scores, Tensor keys) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(raylm, CPU, m) { m.impl("sample_rows", &sample_rows); }
