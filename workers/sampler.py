@@ -25,7 +25,6 @@ Logprobs come from the model's raw distribution, log_softmax of the unmodified l
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -75,17 +74,9 @@ def _nucleus_cut(vals: torch.Tensor, peak: torch.Tensor, total: torch.Tensor, to
 def cpu_sampling_kernels():
     """torch.ops.raylm when the CPU sampler draws with raylm's kernel (the default where it
     builds; RAYLM_CPU_SAMPLER=torch: the exponential race in torch ops), else None."""
-    forced = os.environ.get(SAMPLER_ENV)
-    if forced is not None and forced not in ("torch", "fused"):
-        raise ValueError(f"{SAMPLER_ENV} must be torch or fused, got {forced!r}")
-    if forced == "torch":
-        return None
     from workers.ops import cpu_kernels
 
-    kernels = cpu_kernels.load()
-    if kernels is None and forced == "fused":
-        raise RuntimeError(f"{SAMPLER_ENV}=fused, but raylm's CPU kernels could not be built: {cpu_kernels.failure()}")
-    return kernels
+    return cpu_kernels.load_unless(SAMPLER_ENV, "torch")
 
 
 class Sampler:

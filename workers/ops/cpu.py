@@ -41,16 +41,7 @@ ELEMENTWISE_ENV = "RAYLM_CPU_ELEMENTWISE"
 def fused_elementwise_kernels():
     """torch.ops.raylm when the fused elementwise kernels serve (the default where they build),
     else None (eager torch)."""
-    forced = os.environ.get(ELEMENTWISE_ENV)
-    if forced is not None and forced not in ("eager", "fused"):
-        raise ValueError(f"{ELEMENTWISE_ENV} must be eager or fused, got {forced!r}")
-    if forced == "eager":
-        return None
-    kernels = cpu_kernels.load()
-    if kernels is None and forced == "fused":
-        raise RuntimeError(f"{ELEMENTWISE_ENV}=fused, but raylm's CPU kernels could not be built: "
-                           f"{cpu_kernels.failure()}")
-    return kernels
+    return cpu_kernels.load_unless(ELEMENTWISE_ENV, "eager")
 
 
 def linear_path(dtype: torch.dtype) -> str:

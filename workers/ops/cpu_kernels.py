@@ -77,6 +77,20 @@ def load():
         return None
 
 
+def load_unless(env: str, off: str):
+    """load(), unless the environment variable `env` is `off` (then None); `env`=fused makes
+    a build failure an error instead of the torch path. Any other value is a ValueError."""
+    forced = os.environ.get(env)
+    if forced is not None and forced not in (off, "fused"):
+        raise ValueError(f"{env} must be {off} or fused, got {forced!r}")
+    if forced == off:
+        return None
+    kernels = load()
+    if kernels is None and forced == "fused":
+        raise RuntimeError(f"{env}=fused, but raylm's CPU kernels could not be built: {failure()}")
+    return kernels
+
+
 def failure() -> str | None:
     """Why load() returned None (after it did)."""
     return _failure
