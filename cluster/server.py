@@ -356,7 +356,7 @@ class _EventStream(Response):
             if not pump.done():  # the client went away (or this handler was cancelled)
                 pump.cancel()
             await asyncio.gather(pump, watch, return_exceptions=True)
-        if pump.cancelled():
+        if pump.cancelled() or isinstance(pump.exception(), OSError):  # the client is gone
             return
         if pump.exception() is not None:  # mid-stream: the server's error log and a cut connection tell it
             raise pump.exception()

@@ -119,3 +119,20 @@ def test_a_client_that_disconnects_closes_the_batches_and_ends_without_done():
                 disconnect_after=0.05)
     assert batches.closed  # what aborts the request
     assert "[DONE]" not in _events(sent) and sent[-1]["more_body"] is True
+
+
+def test_a_send_that_fails_closes_the_batches_without_raising():
+    batches = _Batches([_deltas(["b"], reason=None)], hang=True)
+    sent = []
+
+    async def send(message):
+        if len(sent) == 2:
+            raise OSError("connection reset")
+        sent.append(message)
+
+    async def receive():
+        await asyncio.sleep(3600)
+
+    stream = _EventStream(_deltas(["a"], reason=None), batches, _CompletionEvents("cmpl-4", _Body()))
+    asyncio.run(asyncio.wait_for(stream({"type": "http"}, receive, send), 10))
+    assert batches.closed and len(sent) == 2  # the start and the first batch
