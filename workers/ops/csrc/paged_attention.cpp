@@ -32,6 +32,14 @@ inline void axpy(float* __restrict y, const float* __restrict x, float a, int64_
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
+// fn(first position, positions in the block, the block's base) for a token's first len positions
+template <typename F>
+inline void for_each_block(const float* pool, const int32_t* table, int64_t len, int64_t block_size,
+                           int64_t block_stride, F&& fn) {
+  for (int64_t p0 = 0, b = 0; p0 < len; p0 += block_size, ++b)
+    fn(p0, std::min(block_size, len - p0), pool + static_cast<int64_t>(table[b]) * block_stride);
+}
+
 }  // namespace
 
 // Every query token, split over torch's threads. A token's keys are read block by block in memory
@@ -59,9 +67,7 @@ void attend_all(float* op, const float* qp, const float* kp, const float* vp, co
       scores.resize(num_heads * len);
       float* sc = scores.data();
       // pass 1: scaled scores of every visible key, every query head
-      for (int64_t p0 = 0, b = 0; p0 < len; p0 += block_size, ++b) {
-        const int64_t m = std::min(block_size, len - p0);
-        const float* base = kp + static_cast<int64_t>(table[b]) * block_stride;
+      for_each_block(kp, table, len, block_size, block_stride, [&](int64_t p0, int64_t m, const float* base) {
         for (int64_t h = 0; h < num_kv_heads; ++h) {
           const float* kb = base + h * head_dim;
           for (int64_t j = 0; j < group; ++j) {
@@ -90,7 +96,7 @@ void attend_all(float* op, const float* qp, const float* kp, const float* vp, co
             for (; o < m; ++o) srow[o] = dot(q, kb + o * row_stride, head_dim) * scale;
           }
         }
-      }
+      });
       // softmax numerators in place, and 1 / their sum
       for (int64_t qh = 0; qh < num_heads; ++qh) {
         float* s = sc + qh * len;
@@ -106,9 +112,7 @@ void attend_all(float* op, const float* qp, const float* kp, const float* vp, co
       }
       // pass 2: the weighted sum of values, each value row read once for its query heads
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p0 = 0, b = 0; p0 < len; p0 += block_size, ++b) {
-        const int64_t m = std::min(block_size, len - p0);
-        const float* base = vp + static_cast<int64_t>(table[b]) * block_stride;
+      for_each_block(vp, table, len, block_size, block_stride, [&](int64_t p0, int64_t m, const float* base) {
         for (int64_t o = 0; o < m; ++o) {
           const float* vrow = base + o * row_stride;
           for (int64_t h = 0; h < num_kv_heads; ++h) {
@@ -118,7 +122,7 @@ void attend_all(float* op, const float* qp, const float* kp, const float* vp, co
             }
           }
         }
-      }
+      });
       float* ot = op + t * out_stride;
       for (int64_t qh = 0; qh < num_heads; ++qh) {
         const float* a = acc.data() + qh * head_dim;
