@@ -8,7 +8,8 @@ in milliseconds; a different CPU or torch builds its own. Concurrent builders wa
 lock in the build directory.
 
 `load()` returns the module, or None when it cannot be built here (no compiler, no headers):
-the CPU table then keeps the gather + SDPA path and eager elementwise ops, and says so.
+the CPU table then keeps the gather + SDPA path and eager elementwise ops, the CPU sampler its
+torch draw, and stats() says so.
 `python -m workers.ops.cpu_kernels` builds it ahead of time (make venv does) and prints where.
 """
 
@@ -72,7 +73,8 @@ def load():
         return module
     except Exception as e:  # noqa: BLE001 - any build failure leaves the torch paths in place
         _failure = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-        log.warning("raylm's CPU kernels could not be built (%s); attention gathers, elementwise ops run eager",
+        log.warning("raylm's CPU kernels could not be built (%s); attention gathers, elementwise ops run eager, "
+                    "sampling draws with torch ops",
                     _failure)
         return None
 

@@ -14,7 +14,7 @@
 
 #include <cstdint>
 #include <limits>
-#include <vector>
+#include <memory>
 
 #include "vec_math.h"
 
@@ -67,11 +67,11 @@ at::Tensor sample_rows(at::Tensor scores, at::Tensor keys) {
   const int64_t* kp = keys.data_ptr<int64_t>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> e(vocab);
+    std::unique_ptr<float[]> e(new float[vocab]);  // every slot is written before it is read: no zeroing
     for (int64_t r = begin; r < end; ++r) {
       const uint64_t bits = splitmix64(static_cast<uint64_t>(kp[r])) >> 11;  // 53 bits
       const double u = (static_cast<double>(bits) + 0.5) * (1.0 / 9007199254740992.0);
-      op[r] = draw_row(sp + r * rs, e.data(), static_cast<int32_t>(vocab), u);
+      op[r] = draw_row(sp + r * rs, e.get(), static_cast<int32_t>(vocab), u);
     }
   });
   return out;
