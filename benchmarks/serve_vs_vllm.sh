@@ -26,7 +26,7 @@ load() {  # port label
   "$PEERS/bin/vllm" bench serve --backend openai --base-url "http://127.0.0.1:$1" --model "$MODEL" \
     --served-model-name "$NAME" --tokenizer "$MODEL" --dataset-name random --random-input-len 128 \
     --random-output-len 64 --num-prompts "$N" --request-rate inf --ignore-eos --seed 0 \
-    --save-result --result-dir "$OUT" --result-filename "$2.json" 2>&1 | tee "$OUT/$2.txt" | \
+    --save-result --save-detailed --result-dir "$OUT" --result-filename "$2.json" 2>&1 | tee "$OUT/$2.txt" | \
     grep -E "throughput|TTFT|TPOT|ITL|Successful|Failed|Benchmark duration"
 }
 
