@@ -9,6 +9,8 @@ import sys
 import threading
 import time
 
+from cluster.config import GENERATION_CONFIG_MODES
+
 log = logging.getLogger("raylm")
 
 
@@ -45,8 +47,9 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
               prefill_threads_per_worker=a.prefill_threads_per_worker,
               accelerator_resource=a.accelerator_resource, enforce_eager=a.enforce_eager, graph_sizes=a.graph_sizes,
               tensor_parallel_size=a.tensor_parallel_size)
-    for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):  # unset: EngineConfig's default
-        if getattr(a, name) is not None:
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests",
+                 "generation_config"):  # unset (or not a flag of this command): EngineConfig's default
+        if getattr(a, name, None) is not None:
             kw[name] = getattr(a, name)
     return kw
 
@@ -162,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU cores left to the HTTP server and engine actor when --threads-per-worker is not given "
                         "(device cpu; default 1: a worker's torch threads stall whenever another process takes "
                         "one of their cores)")
+    s.add_argument("--generation-config", choices=GENERATION_CONFIG_MODES, default=None,
+                   help="'auto' (the default): requests that leave temperature, top_p, top_k, min_p, "
+                        "the penalties or max_tokens out get the model's generation_config.json values, "
+                        "as vLLM does; 'none': raylm's own defaults (vLLM's --generation-config vllm)")
     s.set_defaults(func=cmd_serve)
 
     u = sub.add_parser("up", help="check a cluster YAML (validation, SSH to the head), then run `ray up` on it")

@@ -17,6 +17,8 @@ from scheduler.scheduler_config import SchedulerConfig
 from workers.block_sizes import check_npu_block_size, default_block_size
 from workers.runner_config import DEVICE_KINDS, RunnerConfig, canonical_dtype, device_outputs_enabled
 
+GENERATION_CONFIG_MODES = ("auto", "none")
+
 
 @dataclass
 class EngineConfig:
@@ -55,6 +57,10 @@ class EngineConfig:
     `restart_backoff_s` (doubling, at most `max_restart_backoff_s`) between failures in
     a row; beyond that it gives up, fails its requests, and tries again after
     `replica_cooldown_s`, rejoining the router once its worker is up.
+    `generation_config` "auto" takes the checkpoint's generation_config.json sampling values
+    (temperature, top_p, top_k, min_p, the repetition, presence and frequency penalties,
+    max_new_tokens as max_tokens) as the defaults of requests that leave them unset, as vLLM
+    does; "none" ignores them (vLLM's `--generation-config vllm`).
     """
 
     model: str | None = None
@@ -86,6 +92,7 @@ class EngineConfig:
     start_timeout_s: float = 600.0
     enforce_eager: bool = False
     graph_sizes: list[int] | None = None
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -131,6 +138,9 @@ class EngineConfig:
         check_int("max_waiting_requests", self.max_waiting_requests, 1)
         check_positive("start_timeout_s", self.start_timeout_s)
         check_bool("enforce_eager", self.enforce_eager)
+        if self.generation_config not in GENERATION_CONFIG_MODES:
+            raise ValueError(f"generation_config must be one of {GENERATION_CONFIG_MODES}, "
+                             f"got {self.generation_config!r}")
         sizes = self.graph_sizes
         if sizes is not None:
             if (not isinstance(sizes, (list, tuple)) or not sizes

@@ -61,6 +61,7 @@ class Engine:
         self.tokenizer = None
         self.model_path: str | None = None
         self.eos_token_ids: frozenset[int] = frozenset()
+        self.sampling_defaults: dict = {}  # the checkpoint's recommended sampling (generation_config "auto")
         self.max_model_len = 0
         self.vocab_size = 0
         self.device_outputs = True
@@ -81,6 +82,7 @@ class Engine:
             load_tokenizer,
             parse_random_spec,
             random_spec_config,
+            sampling_defaults,
         )
         from workers.parallel import check_shardable
 
@@ -94,6 +96,8 @@ class Engine:
             check_shardable(load_config(self.model_path), tp)  # before any actor starts
             self.tokenizer = load_tokenizer(self.model_path)
             self.eos_token_ids = frozenset(eos_token_ids(self.model_path))
+            if cfg.generation_config == "auto":
+                self.sampling_defaults = sampling_defaults(self.model_path)
         threads, prefill_threads = (cpu_worker_threads(cfg.num_replicas, tp, cfg.threads_per_worker, cfg.reserved_cpus,
                                                        cfg.prefill_threads_per_worker)
                                     if cfg.device == "cpu" else (cfg.threads_per_worker or 1,) * 2)
@@ -118,6 +122,9 @@ class Engine:
         self.vocab_size = info["vocab_size"]
         log.info("raylm engine up: %d replica(s) x TP %d of %s on %s", len(self.replicas), tp, self.model_path,
                  cfg.device)
+        if self.sampling_defaults:
+            log.info("requests that leave them unset sample with the model's generation_config.json values %s "
+                     "(generation_config='none' ignores them)", self.sampling_defaults)
         return self
 
     def shutdown(self) -> None:
@@ -150,6 +157,11 @@ class Engine:
             return None, list(prompt)
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}: {prompt!r:.80}")
 
+    def default_sampling_params(self) -> SamplingParams:
+        """What a request without params samples with: SamplingParams' defaults, overridden by
+        the checkpoint's generation_config.json values (generation_config "auto")."""
+        return SamplingParams(**self.sampling_defaults)
+
     def _need_tokenizer(self, what: str) -> None:
         if self.tokenizer is None:
             raise ValueError(f"model {self.model_path!r} has no tokenizer: {what} are not accepted; "
@@ -162,7 +174,7 @@ class Engine:
         frontend's outbox, shared by many requests). Requests naming one `group` (the n
         choices of one request) go to the replica the group's first open one went to, so
         they share the prompt's blocks there."""
-        params = params if params is not None else SamplingParams()
+        params = params if params is not None else self.default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self.tokenize(prompt)

@@ -34,7 +34,7 @@ class EngineActor:
     def info(self) -> dict:
         e = self.engine
         return {"config": e.config.to_dict(), "model_path": e.model_path, "max_model_len": e.max_model_len,
-                "vocab_size": e.vocab_size, "ready": self._ready}
+                "vocab_size": e.vocab_size, "sampling_defaults": e.sampling_defaults, "ready": self._ready}
 
     # ---- the frontend channel ----
     async def open_frontend(self, frontend_id: str, lease_s: float) -> None:

@@ -47,6 +47,7 @@ class EngineClient:
         self.model_path = info["model_path"]
         self.max_model_len = info["max_model_len"]
         self.vocab_size = info["vocab_size"]
+        self.sampling_defaults = info.get("sampling_defaults") or {}
         self._tokenizer = None
         self._local_tokenizer = _UNKNOWN
         self.frontend = Frontend(actor, lease_s=lease_s)

@@ -43,6 +43,19 @@ class LLMHandle:
     def max_model_len(self) -> int:
         return self._engine.max_model_len
 
+    @property
+    def sampling_defaults(self) -> dict:
+        """The checkpoint's recommended sampling values (its generation_config.json's temperature,
+        top_p, top_k, min_p, the repetition, presence and frequency penalties, max_new_tokens as
+        max_tokens) that requests without params, and API requests that leave those fields out,
+        get; {} when the checkpoint has none or the engine runs with generation_config="none"."""
+        return dict(self._engine.sampling_defaults)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """What `generate(prompt)` without params samples with (vLLM's
+        LLM.get_default_sampling_params): SamplingParams() with `sampling_defaults` applied."""
+        return SamplingParams(**self._engine.sampling_defaults)
+
     # ---- blocking ----
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -74,6 +74,11 @@ class ResponseFormat(StrictModel):
         return spec
 
 
+# the request fields a model's generation_config.json may give defaults for (besides max_tokens)
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                           "frequency_penalty")
+
+
 class _Common(StrictModel):
     model: str
     max_tokens: int | None = None
@@ -101,17 +106,25 @@ class _Common(StrictModel):
         """The first field asking for something raylm does not do, with its value."""
         return None
 
-    def sampling_params(self, max_tokens_default: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens_default: int | None, logprobs: int | None,
+                        defaults: dict | None = None) -> SamplingParams:
+        """`defaults` (the model's recommended sampling, LLMHandle.sampling_defaults) fill the
+        fields this request left out; max_tokens falls back to `max_tokens_default` after them."""
+        given = self.model_fields_set
+        d = {k: v for k, v in (defaults or {}).items() if k not in given}
+        pick = {k: d.get(k, getattr(self, k)) for k in SAMPLING_DEFAULT_FIELDS}
+        max_tokens = self.requested_max_tokens()
+        max_tokens = max_tokens if max_tokens is not None else d.get("max_tokens", max_tokens_default)
         return SamplingParams(
-            max_tokens=self.max_tokens if self.max_tokens is not None else max_tokens_default,
-            min_tokens=self.min_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-            min_p=self.min_p, seed=self.seed, stop=self.stop, stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, **pick, seed=self.seed, stop=self.stop,
+            stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias,
             n=self.n,
             grammar=self.grammar(),
         )
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
 
     def grammar(self) -> GrammarSpec | None:
         return self.response_format.grammar() if self.response_format is not None else None
@@ -299,9 +312,12 @@ class ChatCompletionRequest(_Common):
             return tool_call_grammar(tools, choice.function.name if isinstance(choice, NamedToolChoice) else None)
         return super().grammar()
 
-    def sampling_params(self, max_tokens_default, logprobs) -> SamplingParams:
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+
+    def sampling_params(self, max_tokens_default, logprobs, defaults=None) -> SamplingParams:
         self.check()
-        params = super().sampling_params(max_tokens_default, logprobs)
+        params = super().sampling_params(max_tokens_default, logprobs, defaults)
         stop = self.stop_strings()
         return dataclasses.replace(params, stop=tuple(stop)) if stop else params
 

@@ -174,7 +174,7 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
     async def completions(request: Request):
         body = await _parse(request, oa.CompletionRequest, state)
         handle = _ready(state)
-        params = _params(body, COMPLETIONS_MAX_TOKENS, body.logprobs)
+        params = _params(handle, body, COMPLETIONS_MAX_TOKENS, body.logprobs)
         prompts = body.prompts()
         rid = oa.new_id("cmpl")
         if body.stream:
@@ -191,10 +191,8 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
     async def chat(request: Request):
         body = await _parse(request, oa.ChatCompletionRequest, state)
         handle = _ready(state)
-        if body.max_tokens is None and body.max_completion_tokens is not None:
-            body.max_tokens = body.max_completion_tokens
         try:
-            params = _params(body, None, body.logprobs_n())  # None: until the context is full
+            params = _params(handle, body, None, body.logprobs_n())  # None: until the context is full
             prefix = body.forced_prefix()  # "required" or a named function: the call starts in the prompt
             prompt = await run_in_threadpool(handle.apply_chat_template, body.chat_messages(), body.template_tools(),
                                              body.template_kwargs()) + prefix
@@ -260,9 +258,9 @@ def _ready(state: ServerState):
     return state.handle
 
 
-def _params(body, max_tokens_default: int | None, logprobs):
+def _params(handle, body, max_tokens_default: int | None, logprobs):
     try:
-        return body.sampling_params(max_tokens_default, logprobs)
+        return body.sampling_params(max_tokens_default, logprobs, handle.sampling_defaults)
     except ValueError as e:
         field = str(e).split(" ", 1)[0]
         raise ApiError(400, str(e), param=field) from None

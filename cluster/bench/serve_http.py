@@ -285,11 +285,13 @@ def run(a) -> int:
     log_path = os.path.join(a.profile or "/tmp", "raylm-bench-serve.log")
     with ServeProcess(serve_args, log_path) as srv:
         asyncio.run(drive(srv.base, name, prompts[:8], 8))  # warm-up
+        cpu0 = time.thread_time()  # this thread runs the clients' event loop
         records, elapsed = asyncio.run(drive(srv.base, name, prompts, output_len, rate, a.seed))
         results["raylm serve (HTTP)"] = figures(records, elapsed)
+        results["raylm serve (HTTP)"]["client_cpu_s"] = client_cpu = time.thread_time() - cpu0
         results["raylm serve (HTTP)"]["after"] = after = engine_state(srv.base)
         print_figures("raylm serve (HTTP)", results["raylm serve (HTTP)"])
-        print(f"  afterwards: {after}")
+        print(f"  afterwards: {after}; the clients' CPU: {client_cpu:.2f} s")
     if a.in_process:
         records, elapsed = in_process(prompts, output_len, engine)
         results["raylm in-process"] = figures(records, elapsed)

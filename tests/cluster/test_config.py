@@ -20,7 +20,8 @@ from workers.runner_config import ENV_DEVICE_OUTPUTS, RunnerConfig
     ("prefill_threads_per_worker", 0),
     ("accelerator_resource", ""), ("step_timeout_s", 0), ("step_timeout_s", float("inf")),
     ("max_worker_restarts", -1), ("max_waiting_requests", 0), ("start_timeout_s", -1.0), ("model", ""),
-    ("enforce_eager", 1), ("graph_sizes", []), ("graph_sizes", [0, 4]), ("graph_sizes", [65]), ("graph_sizes", 8),
+    ("enforce_eager", 1), ("generation_config", "vllm"),
+    ("graph_sizes", []), ("graph_sizes", [0, 4]), ("graph_sizes", [65]), ("graph_sizes", 8),
 ])
 def test_bad_values_raise_naming_the_field_and_the_value(field, value):
     with pytest.raises(ValueError, match=field) as err:

@@ -149,3 +149,16 @@ def test_graph_flags_reach_the_engine_config():
     assert (cfg.enforce_eager, cfg.graph_sizes, cfg.block_size) == (True, [1, 2, 8], 128)
     cfg = cluster.EngineConfig.from_kwargs(**_engine_kwargs(build_parser().parse_args(["serve"])))
     assert (cfg.enforce_eager, cfg.graph_sizes) == (False, None)
+
+
+def test_generation_config_flag_reaches_the_engine_config():
+    from cluster.cli import _engine_kwargs
+
+    def cfg(*argv):
+        return cluster.EngineConfig.from_kwargs(**_engine_kwargs(build_parser().parse_args(list(argv))))
+
+    assert cfg("serve", "--generation-config", "none").generation_config == "none"
+    assert cfg("serve").generation_config == "auto"
+    assert cfg("generate", "hi").generation_config == "auto"  # not a generate flag: the config's default
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--generation-config", "vllm"])
