@@ -87,7 +87,7 @@ def test_raylm_serve_process_joins_ray_serves_and_cleans_up(ray_session, tmp_pat
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", "--address", address, "--name", "cli-engine",
-         "--port", str(port), "--num-kv-blocks", "32", "--threads-per-worker", "1"],
+         "--port", str(port), "--num-kv-blocks", "32", "--threads-per-worker", "1", "--disable-access-log"],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -107,6 +107,7 @@ def test_raylm_serve_process_joins_ray_serves_and_cleans_up(ray_session, tmp_pat
         r = client.completions.create(model="tiny-qwen3", prompt="Hello", max_tokens=5, temperature=0)
         assert r.usage.completion_tokens >= 1
         assert ray_session.get_actor("cli-engine", namespace="raylm") is not None
+        assert "loaded; serving on" in _tail(log) and "POST /v1/completions" not in _tail(log)  # no access log
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=60)
