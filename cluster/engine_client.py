@@ -50,6 +50,9 @@ class EngineClient:
         self.sampling_defaults = info.get("sampling_defaults") or {}
         self._tokenizer = None
         self._local_tokenizer = _UNKNOWN
+        # now, not on the first request: loading it imports transformers and torch (seconds), and
+        # `raylm serve` tokenizes on its event loop, which would stall every request meanwhile
+        self.local_tokenizer()
         self.frontend = Frontend(actor, lease_s=lease_s)
 
     @classmethod

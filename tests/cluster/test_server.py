@@ -149,6 +149,21 @@ def test_connect_gives_a_full_handle(server):
         cluster.connect("no-such-engine")
 
 
+def test_connect_loads_the_tokenizer_before_the_first_request(server, monkeypatch):
+    """Loading it takes seconds (transformers and torch imports); `raylm serve` tokenizes on its
+    event loop, so a first load inside a request would stall every request of the first burst."""
+    import workers.loader
+
+    loads = []
+    real = workers.loader.load_tokenizer
+    monkeypatch.setattr(workers.loader, "load_tokenizer", lambda path: loads.append(path) or real(path))
+    h = cluster.connect(server["name"])
+    assert len(loads) == 1  # at connect
+    h.generate("Hello", SamplingParams(max_tokens=2, temperature=0))
+    h.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert len(loads) == 1
+
+
 def test_a_connected_handle_tokenizes_and_renders_chats_as_the_engine_would(server, ray_session):
     """connect() tokenizes text and renders chat templates in the caller's process (the
     engine actor then sees token ids only): outputs stay HF's, templates stay the engine's."""
