@@ -174,7 +174,7 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
     async def completions(request: Request):
         body = await _parse(request, oa.CompletionRequest, state)
         handle = _ready(state)
-        params = _params(handle, body, COMPLETIONS_MAX_TOKENS, body.logprobs)
+        params = await _params(handle, body, COMPLETIONS_MAX_TOKENS, body.logprobs)
         prompts = body.prompts()
         rid = oa.new_id("cmpl")
         if body.stream:
@@ -192,7 +192,7 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         body = await _parse(request, oa.ChatCompletionRequest, state)
         handle = _ready(state)
         try:
-            params = _params(handle, body, None, body.logprobs_n())  # None: until the context is full
+            params = await _params(handle, body, None, body.logprobs_n())  # None: until the context is full
             prefix = body.forced_prefix()  # "required" or a named function: the call starts in the prompt
             prompt = await run_in_threadpool(handle.apply_chat_template, body.chat_messages(), body.template_tools(),
                                              body.template_kwargs()) + prefix
@@ -258,9 +258,16 @@ def _ready(state: ServerState):
     return state.handle
 
 
-def _params(handle, body, max_tokens_default: int | None, logprobs):
-    try:
+async def _params(handle, body, max_tokens_default: int | None, logprobs):
+    """The body's SamplingParams. One that asks for a grammar (response_format, tools) is built
+    off the event loop: compiling it takes xgrammar, whose first import alone takes seconds."""
+    def build():
         return body.sampling_params(max_tokens_default, logprobs, handle.sampling_defaults)
+
+    try:
+        if body.response_format is not None or getattr(body, "tools", None):
+            return await run_in_threadpool(build)
+        return build()
     except ValueError as e:
         field = str(e).split(" ", 1)[0]
         raise ApiError(400, str(e), param=field) from None

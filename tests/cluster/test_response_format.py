@@ -76,3 +76,47 @@ def test_without_xgrammar_response_format_is_refused_and_forced_calls_keep_their
         _chat(response_format={"type": "json_object"}).sampling_params(16, None)
     forced = _chat(tools=[WEATHER], tool_choice="required")
     assert forced.sampling_params(16, None).grammar is None and forced.forced_prefix()
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER],
+                              "tool_choice": "required"}),
+    ("/v1/completions", {"prompt": "hi"}),
+])
+def test_a_request_that_needs_a_grammar_builds_it_off_the_event_loop(monkeypatch, route, body):
+    """Building one imports xgrammar the first time (seconds); on the server's event loop that
+    would stall every other request's stream meanwhile. Requests without one stay on the loop."""
+    import asyncio
+    import threading
+
+    import httpx
+
+    from cluster.server import ServerState, build_app
+
+    built_on = []
+    real = oa._Common.sampling_params
+    monkeypatch.setattr(oa._Common, "sampling_params",
+                        lambda self, *a: built_on.append(threading.current_thread()) or real(self, *a))
+
+    class Handle:  # refuses every prompt once its params are built
+        sampling_defaults: dict = {}
+
+        def apply_chat_template(self, *a):
+            return "hi"
+
+        async def agenerate(self, prompt, params):
+            raise ValueError("prompt refused by this test")
+
+    state = ServerState(["m"], api_key=None)
+    state.handle = Handle()
+
+    async def post():
+        transport = httpx.ASGITransport(app=build_app(state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://raylm") as c:
+            return await c.post(route, json={"model": "m", **body}), threading.current_thread()
+
+    r, loop_thread = asyncio.run(post())
+    assert r.status_code == 400 and "refused by this test" in r.json()["error"]["message"]
+    needs_grammar = "response_format" in body or "tools" in body
+    assert len(built_on) == 1 and (built_on[0] is not loop_thread) == needs_grammar
