@@ -167,8 +167,14 @@ class Engine:
             raise ValueError(f"model {self.model_path!r} has no tokenizer: {what} are not accepted; "
                              "give prompts as lists of token ids")
 
+    def encode_text(self, prompt: str) -> list[int] | None:
+        """A text prompt's token ids as add_request would compute them (None: no tokenizer here),
+        for callers that tokenize off their event loop and pass `prompt_token_ids`."""
+        return encode_prompt(self.tokenizer, prompt) if self.tokenizer is not None else None
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, loop=None, sink=None, group: str | None = None) -> RequestStream:
+                    request_id: str | None = None, loop=None, sink=None, group: str | None = None,
+                    prompt_token_ids: list[int] | None = None) -> RequestStream:
         """Accept a request; its deltas go to the returned RequestStream (read with `for`,
         or `async for` on `loop`), or to `sink.put(delta)` when a sink is given (a
         frontend's outbox, shared by many requests). Requests naming one `group` (the n
@@ -177,7 +183,10 @@ class Engine:
         params = params if params is not None else self.default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        text, ids = self.tokenize(prompt)
+        if prompt_token_ids is not None and isinstance(prompt, str) and prompt_token_ids:  # encode_text's
+            text, ids = prompt, list(prompt_token_ids)
+        else:
+            text, ids = self.tokenize(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}")
         if params.max_tokens is None:

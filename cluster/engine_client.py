@@ -84,13 +84,22 @@ class EngineClient:
                 self._local_tokenizer = None
         return self._local_tokenizer
 
+    def encode_text(self, prompt: str) -> list[int] | None:
+        """A text prompt's token ids as add_request would send them (None: the engine tokenizes)."""
+        tok = self.local_tokenizer()
+        return encode_prompt(tok, prompt) if tok is not None else None
+
     def add_request(self, prompt, params=None, request_id: str | None = None, loop=None,
-                    sink: RequestStream | None = None, group: str | None = None) -> RequestStream:
+                    sink: RequestStream | None = None, group: str | None = None,
+                    prompt_token_ids: list[int] | None = None) -> RequestStream:
         rid = request_id if request_id is not None else uuid.uuid4().hex
         if not isinstance(rid, str) or not rid:
             raise ValueError(f"request_id must be a non-empty string, got {rid!r}")
-        tok = self.local_tokenizer() if isinstance(prompt, str) else None
-        wire = prompt if tok is None else encode_prompt(tok, prompt)  # tokenized here, off the engine's loop
+        if prompt_token_ids and isinstance(prompt, str):  # encode_text's, computed by the caller
+            wire = list(prompt_token_ids)
+        else:  # tokenized here, off the engine's loop
+            wire = self.encode_text(prompt) if isinstance(prompt, str) else None
+            wire = prompt if wire is None else wire
         return self.frontend.submit(prompt, params, rid, loop, wire_prompt=wire, sink=sink, group=group)
 
     def apply_chat_template(self, messages, tools=None, template_kwargs=None) -> str:

@@ -22,6 +22,7 @@ from scheduler.checks import is_int
 from scheduler.request import SamplingParams
 
 Prompt = str | list[int]
+OFF_LOOP_TOKENIZE_CHARS = 4096  # async submissions tokenize text at least this long on a thread (~2K tokens)
 
 
 class LLMHandle:
@@ -108,7 +109,7 @@ class LLMHandle:
     # ---- asyncio ----
     async def agenerate(self, prompt: Prompt, params: SamplingParams | None = None, *,
                         request_id: str | None = None) -> RequestOutput:
-        s = self._submit(prompt, params, request_id, asyncio.get_running_loop())
+        s = await self._asubmit(prompt, params, request_id)
         try:
             return await s.aresult()
         finally:  # cancelled: stop generating for nobody
@@ -116,7 +117,7 @@ class LLMHandle:
 
     async def astream(self, prompt: Prompt, params: SamplingParams | None = None, *,
                       request_id: str | None = None) -> AsyncIterator[StreamDelta]:
-        s = self._submit(prompt, params, request_id, asyncio.get_running_loop())
+        s = await self._asubmit(prompt, params, request_id)
         try:
             async for delta in s:
                 yield delta
@@ -127,7 +128,7 @@ class LLMHandle:
                               request_id: str | None = None) -> AsyncIterator[list[StreamDelta]]:
         """Like `astream`, but yields every delta that has arrived by the time the caller
         asks, as a list: a consumer that fell behind catches up in one go."""
-        s = self._submit(prompt, params, request_id, asyncio.get_running_loop())
+        s = await self._asubmit(prompt, params, request_id)
         try:
             async for delta in s:
                 yield [delta] + s.take_ready()
@@ -143,12 +144,24 @@ class LLMHandle:
             return self._engine.abort(request_id)
         return any([self._engine.abort(c) for c in ids])
 
+    async def _asubmit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> RequestStream:
+        """_submit from a coroutine: a long text prompt is tokenized on a thread, not on the event
+        loop (8K tokens take ~20 ms, every other stream of the loop stalled meanwhile)."""
+        loop = asyncio.get_running_loop()
+        ids = None
+        if isinstance(prompt, str) and len(prompt) >= OFF_LOOP_TOKENIZE_CHARS:
+            ids = await loop.run_in_executor(None, self._engine.encode_text, prompt)
+        return self._submit(prompt, params, request_id, loop, ids)
+
     def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None = None,
-                loop=None) -> RequestStream:
-        """One request's stream; n > 1 choices go to the engine as n requests feeding it."""
+                loop=None, token_ids: list[int] | None = None) -> RequestStream:
+        """One request's stream; n > 1 choices go to the engine as n requests feeding it (a text
+        prompt tokenized once for all). `token_ids`: the text prompt's, from engine.encode_text."""
         params = _one(params)
         if params is None or params.n == 1:
-            return self._engine.add_request(prompt, params, request_id, loop)
+            return self._engine.add_request(prompt, params, request_id, loop, prompt_token_ids=token_ids)
+        if token_ids is None and isinstance(prompt, str) and prompt:
+            token_ids = self._engine.encode_text(prompt)
         rid = request_id if request_id is not None else uuid.uuid4().hex
         if not isinstance(rid, str) or not rid:
             raise ValueError(f"request_id must be a non-empty string, got {rid!r}")
@@ -159,7 +172,8 @@ class LLMHandle:
         self._choice_ids[rid] = ids
         try:
             for i, cid in enumerate(ids):
-                self._engine.add_request(prompt, params.choice(i), cid, loop, sink=stream, group=rid)
+                self._engine.add_request(prompt, params.choice(i), cid, loop, sink=stream, group=rid,
+                                         prompt_token_ids=token_ids)
         except BaseException:
             self._release(stream)
             raise

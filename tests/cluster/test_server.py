@@ -164,6 +164,43 @@ def test_connect_loads_the_tokenizer_before_the_first_request(server, monkeypatc
     assert len(loads) == 1
 
 
+def test_coroutines_tokenize_long_text_prompts_off_the_event_loop(server, monkeypatch):
+    """A long prompt's tokenizing (~20 ms for 8K tokens) would stall every stream of the loop;
+    it runs on a thread, with the same outputs. Short ones stay inline; n choices tokenize once."""
+    import asyncio
+    import threading
+
+    from cluster.engine import Engine
+    from cluster.engine_client import EngineClient
+    from cluster.handle import OFF_LOOP_TOKENIZE_CHARS
+
+    calls = []
+    for cls in (Engine, EngineClient):
+        real = cls.encode_text
+        monkeypatch.setattr(cls, "encode_text",
+                            lambda self, p, real=real: calls.append(threading.current_thread()) or real(self, p))
+    long_prompt = ("The quick brown fox jumps over the lazy dog. " * 100)[:OFF_LOOP_TOKENIZE_CHARS + 10]
+    params = SamplingParams(max_tokens=3, temperature=0)
+
+    async def run(h, prompt):
+        return await h.agenerate(prompt, params), threading.current_thread()
+
+    with cluster.launch(num_kv_blocks=256, threads_per_worker=1) as launched:
+        for h in (cluster.connect(server["name"]), launched):
+            want = h.generate(long_prompt, params)
+            calls.clear()
+            out, loop_thread = asyncio.run(run(h, long_prompt))
+            assert (out.token_ids, out.prompt, out.prompt_token_ids) == (want.token_ids, long_prompt,
+                                                                         want.prompt_token_ids)
+            assert len(calls) == 1 and calls[0] is not loop_thread
+            calls.clear()
+            _, loop_thread = asyncio.run(run(h, "Hello"))
+            assert all(c is loop_thread for c in calls)  # inline (the engine's own tokenize, for a launch)
+            calls.clear()
+            three = h.generate("Hello", SamplingParams(max_tokens=2, temperature=0, n=3))
+            assert len(three.outputs) == 3 and len(calls) == 1
+
+
 def test_a_connected_handle_tokenizes_and_renders_chats_as_the_engine_would(server, ray_session):
     """connect() tokenizes text and renders chat templates in the caller's process (the
     engine actor then sees token ids only): outputs stay HF's, templates stay the engine's."""
