@@ -33,11 +33,13 @@ run: venv
 # Everything, Ray included: what needs no Ray runs on every core (pytest-xdist, one torch thread
 # per worker so they do not spin against each other); then the Ray tests (engine starts, restarts,
 # timeouts), a test file at a time on each of RAY_TEST_WORKERS workers, each with a local Ray of
-# its own. On 2 cores, 2026-12-01 19:30 UTC, back to back: the Ray tests took 379 s on 3 workers,
-# 436 s on 4 (6 measured slower than 4 earlier); the rest 85 s; a fresh clone's venv ~3 minutes
-# (a fresh clone's whole make test at 07a6f55, 22:37 UTC: 10.2 minutes, 7.7 of them tests).
+# its own. They keep every core busy (vmstat: ~0% idle throughout; most of it is Ray's and the
+# workers' own processes starting and importing torch), so one worker per core: on 2 cores at
+# 4b00e2b they took 350 s on 2 workers against 383-412 s on 3 (earlier: 379 s on 3, 436 s on 4);
+# the rest ~60 s; a fresh clone's venv ~3.3 minutes (a fresh clone's whole make test at df06ae3
+# with 3 workers: 10.9 minutes).
 TEST_WORKERS ?= $(shell nproc)
-RAY_TEST_WORKERS ?= 3
+RAY_TEST_WORKERS ?= $(TEST_WORKERS)
 test: venv
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not ray and not deploy" tests
 	$(BIN)/python -m pytest -q -n $(RAY_TEST_WORKERS) --dist loadfile -m "ray and not deploy" tests
