@@ -36,8 +36,8 @@ run: venv
 # its own. They keep every core busy (vmstat: ~0% idle throughout; most of it is Ray's and the
 # workers' own processes starting and importing torch), so one worker per core: on 2 cores at
 # 4b00e2b they took 350 s on 2 workers against 383-412 s on 3 (earlier: 379 s on 3, 436 s on 4);
-# the rest ~60 s; a fresh clone's venv ~3.3 minutes (a fresh clone's whole make test at df06ae3
-# with 3 workers: 10.9 minutes).
+# the rest ~60 s. A fresh clone's whole make test: 10.9 minutes at df06ae3 with 3 workers, 9.5
+# with 2 (2026-12-02 00:58 UTC; its venv ~2.7 minutes).
 TEST_WORKERS ?= $(shell nproc)
 RAY_TEST_WORKERS ?= $(TEST_WORKERS)
 test: venv
