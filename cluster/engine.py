@@ -183,7 +183,7 @@ class Engine:
         params = params if params is not None else self.default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if prompt_token_ids is not None and isinstance(prompt, str) and prompt_token_ids:  # encode_text's
+        if prompt_token_ids and isinstance(prompt, str):  # encode_text's, computed by the caller
             text, ids = prompt, list(prompt_token_ids)
         else:
             text, ids = self.tokenize(prompt)

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.outputs import RequestOutput, StreamDelta, TokenLogprob
 from scheduler.grammar_spec import GrammarSpec
-from scheduler.request import SamplingParams
+from scheduler.request import GENERATION_CONFIG_FIELDS, SamplingParams
 
 
 class StrictModel(BaseModel):
@@ -74,9 +74,8 @@ class ResponseFormat(StrictModel):
         return spec
 
 
-# the request fields a model's generation_config.json may give defaults for (besides max_tokens)
-SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                           "frequency_penalty")
+# the request fields a model's generation_config.json may give defaults for (max_tokens aside)
+SAMPLING_DEFAULT_FIELDS = tuple(f for f in GENERATION_CONFIG_FIELDS.values() if f != "max_tokens")
 
 
 class _Common(StrictModel):

@@ -32,6 +32,13 @@ def choice_seed(seed: int | None, index: int) -> int | None:
     return int.from_bytes(digest, "little") >> 1
 
 
+# generation_config.json keys a checkpoint may recommend request defaults with (as vLLM reads
+# them), and the SamplingParams fields they set (workers/loader.py sampling_defaults)
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                            "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+                            "frequency_penalty": "frequency_penalty", "max_new_tokens": "max_tokens"}
+
+
 @dataclass
 class SamplingParams:
     """How one request samples and when it stops.

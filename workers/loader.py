@@ -283,23 +283,17 @@ def eos_token_ids(path, tokenizer=None) -> frozenset[int]:
     return frozenset(ids)
 
 
-# generation_config.json keys that set request defaults (as vLLM reads them), and their SamplingParams names
-GENERATION_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                           "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-                           "frequency_penalty": "frequency_penalty", "max_new_tokens": "max_tokens"}
-
-
 def sampling_defaults(path) -> dict:
     """The sampling values a checkpoint's generation_config.json recommends ({} without one),
     as SamplingParams fields, e.g. Qwen3's {"temperature": 0.6, "top_k": 20, "top_p": 0.95}.
     A value SamplingParams refuses is a ValueError naming the file, the field and the value."""
-    from scheduler.request import SamplingParams
+    from scheduler.request import GENERATION_CONFIG_FIELDS, SamplingParams
 
     gen = _checkpoint_dir(path) / "generation_config.json"
     if not gen.is_file():
         return {}
     raw = _read_json(gen)
-    out = {ours: raw[theirs] for theirs, ours in GENERATION_DEFAULT_KEYS.items() if raw.get(theirs) is not None}
+    out = {ours: raw[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items() if raw.get(theirs) is not None}
     try:
         SamplingParams(**out)
     except (TypeError, ValueError) as e:

@@ -29,30 +29,4 @@ inline float fast_exp(float x) {
   return y * scale;
 }
 
-// log(x) in float32 within ~2 ulp for positive normal x (Cephes' logf): x = m 2^e with m in
-// [sqrt(1/2), sqrt(2)), a degree-8 polynomial for log(m), e ln2 added in two parts. Branch-free.
-inline float fast_log(float x) {
-  int32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  float e = static_cast<float>(((bits >> 23) & 0xff) - 126);
-  const int32_t mbits = (bits & 0x007fffff) | 0x3f000000;  // m in [0.5, 1)
-  float m;
-  std::memcpy(&m, &mbits, sizeof(m));
-  const bool low = m < 0.707106781186547524f;
-  e = low ? e - 1.0f : e;
-  const float z = low ? m + m - 1.0f : m - 1.0f;
-  const float zz = z * z;
-  float p = 7.0376836292e-2f;
-  p = p * z - 1.1514610310e-1f;
-  p = p * z + 1.1676998740e-1f;
-  p = p * z - 1.2420140846e-1f;
-  p = p * z + 1.4249322787e-1f;
-  p = p * z - 1.6668057665e-1f;
-  p = p * z + 2.0000714765e-1f;
-  p = p * z - 2.4999993993e-1f;
-  p = p * z + 3.3333331174e-1f;
-  float y = p * z * zz + e * -2.12194440e-4f - 0.5f * zz;
-  return z + y + e * 0.693359375f;
-}
-
 }  // namespace raylm
