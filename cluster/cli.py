@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -97,6 +98,66 @@ def resolve_api_key(flag: str | None) -> str | None:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
+    import cluster
+
+    cfg = cluster.EngineConfig.from_kwargs(**_engine_kwargs(a), reserved_cpus=a.reserved_cpus)
+    api_key = resolve_api_key(a.api_key)
+    model_names = [a.served_model_name or served_model_name(a.model)]
+    cluster.ensure_ray(a.address)
+    if a.frontend == "process":
+        return _serve_from_this_process(a, cfg, model_names, api_key)
+    return _serve_in_engine(a, cfg, model_names, api_key)
+
+
+def _serve_in_engine(a, cfg, model_names: list[str], api_key: str | None) -> int:
+    """The HTTP server runs in the engine actor's process (cluster/embedded_http.py); this
+    process waits, and stops the engine when interrupted or when the engine dies."""
+    import ray
+
+    from cluster.engine_actor import launch_detached
+
+    spec = {"host": a.host, "port": a.port, "model_names": model_names, "api_key": api_key,
+            "max_body_bytes": a.max_body_bytes, "access_log": not a.disable_access_log}
+    try:
+        actor, started = launch_detached(cfg, a.name, http=spec)
+    except OSError as e:
+        print(f"raylm: error: {e}", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    log.info("engine %r loading; HTTP on http://%s:%d (in the engine's process; /health is 503 until loaded)",
+             a.name, a.host, a.port)
+    try:
+        pending = [started]
+        while not stop.is_set():
+            if pending:
+                done, pending = ray.wait(pending, timeout=0.5)
+                if done:
+                    try:
+                        ray.get(done[0])
+                        log.info("engine %r loaded; serving on http://%s:%d", a.name, a.host, a.port)
+                    except ray.exceptions.RayActorError as e:
+                        log.error("the engine actor died while loading: %s", e)
+                        return 1
+                    except Exception as e:  # the server answers 503 "unavailable" with the reason
+                        log.error("engine failed to start: %s", getattr(e, "cause", None) or e)
+                continue
+            try:  # still there? (a dead engine took its HTTP server with it)
+                ray.get(actor.serves_http.remote(), timeout=30)
+            except ray.exceptions.GetTimeoutError:
+                pass
+            except ray.exceptions.RayActorError as e:
+                log.error("the engine actor died: %s", e)
+                return 1
+            stop.wait(2.0)
+    finally:
+        ray.kill(actor, no_restart=True)  # the engine lives as long as this command
+    return 0
+
+
+def _serve_from_this_process(a, cfg, model_names: list[str], api_key: str | None) -> int:
+    """The HTTP server in this process, a frontend of the engine actor over the channel."""
     import ray
     import uvicorn
 
@@ -105,11 +166,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from cluster.engine_client import EngineClient
     from cluster.server import ServerState, build_app
 
-    cfg = cluster.EngineConfig.from_kwargs(**_engine_kwargs(a), reserved_cpus=a.reserved_cpus)
-    api_key = resolve_api_key(a.api_key)
-    cluster.ensure_ray(a.address)
     actor, started = launch_detached(cfg, a.name)
-    state = ServerState([a.served_model_name or served_model_name(a.model)], api_key)
+    state = ServerState(model_names, api_key)
 
     def wait_until_loaded() -> None:
         try:
@@ -166,6 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU cores left to the HTTP server and engine actor when --threads-per-worker is not given "
                         "(device cpu; default 1: a worker's torch threads stall whenever another process takes "
                         "one of their cores)")
+    s.add_argument("--frontend", choices=("engine", "process"), default="engine",
+                   help="where the HTTP server runs: 'engine' (the default), inside the engine actor's process, "
+                        "no channel between them; 'process', in this process, a frontend of the engine over "
+                        "the channel (for hosts with cores to spare, where one GIL for both would limit)")
     s.add_argument("--disable-access-log", action="store_true",
                    help="no log line per HTTP request (as vLLM's --disable-uvicorn-access-log; ~5%% of the "
                         "server's CPU under a burst of short requests)")

@@ -4,6 +4,9 @@ Its client is EngineClient (cluster/engine_client.py), which `connect()` and the
 server of `raylm serve` use. Requests and outputs cross over the frontend channel
 (cluster/channel.py): `push` brings a frontend's submissions and aborts in batches, `pull`
 hands it every delta of its requests since its last pull (cluster/outbox.py).
+
+`raylm serve` (by default) also runs its HTTP server here, on the actor's event loop, over
+a local handle to the engine (cluster/embedded_http.py): HTTP traffic skips the channel.
 """
 
 from __future__ import annotations
@@ -25,11 +28,35 @@ class EngineActor:
         self.engine = Engine(EngineConfig(**config))
         self._outboxes = Outboxes(self.engine)
         self._ready = False
+        self._http = None  # EmbeddedHttp, when `raylm serve` runs its HTTP server here
+
+    async def start_http(self, spec: dict) -> None:
+        """Listen for HTTP on this process (spec: EmbeddedHttp's); before start(), so the
+        port is taken at once and /health says "loading" while the model loads."""
+        from cluster.embedded_http import EmbeddedHttp
+
+        if self._http is not None:
+            raise RuntimeError("this engine already serves HTTP")
+        http = EmbeddedHttp(spec)
+        await http.start()
+        self._http = http
 
     async def start(self) -> dict:
-        await asyncio.get_running_loop().run_in_executor(None, self.engine.start)
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.start)
+        except Exception as e:
+            if self._http is not None:
+                self._http.failed(f"engine failed to start: {type(e).__name__}: {e}")
+            raise
         self._ready = True
+        if self._http is not None:
+            from cluster.handle import LLMHandle
+
+            self._http.serve(LLMHandle(self.engine))
         return self.info()
+
+    def serves_http(self) -> bool:
+        return self._http is not None and self._http.running
 
     def info(self) -> dict:
         e = self.engine
@@ -82,21 +109,39 @@ class EngineActor:
     async def _off_loop(fn, *args):
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
-    def shutdown(self) -> None:
-        self.engine.shutdown()
+    async def shutdown(self) -> None:
+        if self._http is not None:
+            await self._http.stop()
+        await self._off_loop(self.engine.shutdown)
         ray.actor.exit_actor()
 
 
 RemoteEngineActor = ray.remote(num_cpus=0, max_concurrency=1000, max_restarts=0)(EngineActor)
 
 
-def launch_detached(config: EngineConfig, name: str, namespace: str = NAMESPACE, timeout_s: float = 900.0):
-    """Start a named, detached EngineActor and wait until its model is loaded."""
+def launch_detached(config: EngineConfig, name: str, namespace: str = NAMESPACE, http: dict | None = None):
+    """Start a named, detached EngineActor; returns it and the ref of its start() (the
+    model loaded). With `http` (EmbeddedHttp's spec) the actor runs on this node and
+    listens there before loading: an error taking the port is raised here."""
     try:
         ray.get_actor(name, namespace=namespace)
     except ValueError:
         pass
     else:
         raise ValueError(f"an engine named {name!r} already runs in namespace {namespace!r}")
-    actor = RemoteEngineActor.options(name=name, namespace=namespace, lifetime="detached").remote(config.to_dict())
+    options = {}
+    if http is not None:  # its port is this host's
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                                        soft=False)
+    actor = RemoteEngineActor.options(name=name, namespace=namespace, lifetime="detached",
+                                      **options).remote(config.to_dict())
+    if http is not None:
+        try:
+            ray.get(actor.start_http.remote(http))
+        except BaseException as e:
+            ray.kill(actor, no_restart=True)
+            cause = getattr(e, "cause", None)
+            raise cause if isinstance(cause, OSError) else e from None
     return actor, actor.start.remote()

@@ -80,14 +80,16 @@ def test_serve_defaults_bind_loopback_and_take_the_key_from_the_environment(monk
     assert resolve_api_key(None) is None
 
 
-def test_raylm_serve_process_joins_ray_serves_and_cleans_up(ray_session, tmp_path):
+@pytest.mark.parametrize("frontend", ["engine", "process"])
+def test_raylm_serve_process_joins_ray_serves_and_cleans_up(ray_session, tmp_path, frontend):
     port = _free_port()
     address = ray_session.get_runtime_context().gcs_address
     env = dict(os.environ, RAYLM_API_KEY="k-cli", PYTHONUNBUFFERED="1")
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", "--address", address, "--name", "cli-engine",
-         "--port", str(port), "--num-kv-blocks", "32", "--threads-per-worker", "1", "--disable-access-log"],
+         "--port", str(port), "--num-kv-blocks", "32", "--threads-per-worker", "1", "--disable-access-log",
+         "--frontend", frontend],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -107,10 +109,13 @@ def test_raylm_serve_process_joins_ray_serves_and_cleans_up(ray_session, tmp_pat
         r = client.completions.create(model="tiny-qwen3", prompt="Hello", max_tokens=5, temperature=0)
         assert r.usage.completion_tokens >= 1
         assert ray_session.get_actor("cli-engine", namespace="raylm") is not None
+        other = cluster.connect("cli-engine")  # another frontend, over the channel, beside the HTTP one
+        assert other.generate("Hello", cluster.SamplingParams(max_tokens=5, temperature=0)).text == r.choices[0].text
+        other.shutdown()
         assert "loaded; serving on" in _tail(log) and "POST /v1/completions" not in _tail(log)  # no access log
     finally:
         os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=60)
+        assert proc.wait(timeout=60) == 0, _tail(log)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:

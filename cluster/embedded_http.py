@@ -1,0 +1,95 @@
+"""The HTTP server inside the engine actor's process: `raylm serve`'s default frontend.
+
+With the HTTP server in a process of its own, every request and every delta crossed the
+frontend channel (cluster/channel.py): msgpack both ways, a Ray call per batch on each
+side, a second event loop, Ray's threads in two processes. On a 2-core host that was
+~1 s of CPU per 8,192 streamed tokens (the HTTP process and the engine actor 2.2 s
+between them, against 1.2 s for the one process here), taken from the core the worker
+shares (docs/benchmarks.md, "Sixth pass"). Here uvicorn runs on the engine actor's own
+event loop, and its routes hold a local LLMHandle over the actor's Engine: a request goes
+straight to the scheduler and its deltas come back through its RequestStream's loop
+handoff, as in `cluster.launch()`. Other frontends (`cluster.connect()`) still attach
+over the channel. `raylm serve --frontend process` keeps the separate process (where
+the host has cores to spare and the frontend's share of one GIL would be the limit).
+
+The socket is bound before the engine loads, so /health answers 503 "loading" meanwhile
+and a port in use is an error at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+log = logging.getLogger(__name__)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (OSError, naming both, when it cannot be had)."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e}") from None
+    return sock
+
+
+class EmbeddedHttp:
+    """uvicorn serving build_app() on the running event loop; `spec` is the CLI's HTTP
+    options: host, port, model_names, api_key, max_body_bytes, access_log."""
+
+    def __init__(self, spec: dict):
+        from cluster.server import ServerState
+
+        self.spec = dict(spec)
+        self.state = ServerState(list(self.spec["model_names"]), self.spec.get("api_key"))
+        self._server = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        import uvicorn
+
+        from cluster.server import DEFAULT_MAX_BODY_BYTES, build_app
+
+        sock = bind(self.spec["host"], int(self.spec["port"]))
+        app = build_app(self.state, int(self.spec.get("max_body_bytes") or DEFAULT_MAX_BODY_BYTES))
+        # lifespan off: the app has no startup hooks, and uvicorn exits the process when one fails
+        config = uvicorn.Config(app, log_level="info", access_log=bool(self.spec.get("access_log", True)),
+                                lifespan="off", timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():  # it could not start: say why
+                sock.close()
+                self._task.result()
+                raise RuntimeError(f"the HTTP server on {self.spec['host']}:{self.spec['port']} did not start")
+            await asyncio.sleep(0.01)
+
+    def serve(self, handle) -> None:
+        """The engine is up: routes answer from `handle` from now on."""
+        self.state.handle = handle
+
+    def failed(self, reason: str) -> None:
+        """The engine could not start: /health is 503 "unavailable" with the reason."""
+        self.state.startup_error = reason
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def stop(self) -> None:
+        if self._server is not None and self.running:
+            self._server.should_exit = True
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), 10)
+            except Exception as e:  # noqa: BLE001 - shutting down: nothing left to tell
+                log.debug("HTTP server stop: %s", e)

@@ -1,0 +1,132 @@
+"""`raylm serve`'s default frontend: the HTTP server inside the engine actor's process
+(cluster/embedded_http.py), with cluster.connect() handles attached over the channel beside it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+import cluster
+from cluster import SamplingParams
+from cluster.engine_actor import NAMESPACE, launch_detached
+from tests.cluster.conftest import SERVED_MODEL, aborted_requests, wait_until_idle
+
+pytestmark = pytest.mark.ray
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spec(port: int) -> dict:
+    return {"host": "127.0.0.1", "port": port, "model_names": [SERVED_MODEL], "api_key": None,
+            "max_body_bytes": 1 << 20, "access_log": False}
+
+
+def _gone(ray_session, name: str, timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray_session.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.fixture(scope="module")
+def embedded(ray_session):
+    name, port = "embedded-http", _free_port()
+    actor, started = launch_detached(cluster.EngineConfig(num_kv_blocks=64, threads_per_worker=1), name,
+                                     http=_spec(port))
+    base = f"http://127.0.0.1:{port}"
+    loading = httpx.get(base + "/health", timeout=10)  # listening already, the model still loading
+    ray_session.get(started)
+    handle = cluster.connect(name)
+    yield {"base": base, "name": name, "loading": loading, "state": SimpleNamespace(handle=handle)}
+    handle.shutdown()
+    ray_session.kill(actor, no_restart=True)
+
+
+def test_health_says_loading_until_the_engine_is_up(embedded):
+    assert embedded["loading"].status_code == 503
+    assert embedded["loading"].json()["status"] == "loading"
+    r = httpx.get(embedded["base"] + "/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+
+
+def test_http_requests_skip_the_channel_and_equal_a_connected_handles(embedded):
+    h = embedded["state"].handle
+    prompts = [f"request {i} says" + " hello" * (i % 4) for i in range(16)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    expected = [o.text for o in h.generate(prompts, params)]  # over the channel
+    before = h.stats()
+
+    async def stream(client, p):
+        body = {"model": SERVED_MODEL, "prompt": p, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        text = []
+        async with client.stream("POST", embedded["base"] + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += [c["text"] for c in json.loads(line[6:])["choices"]]
+        return "".join(text)
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*[stream(client, p) for p in prompts])
+
+    assert asyncio.run(main()) == expected
+    r = httpx.post(embedded["base"] + "/v1/completions", timeout=60,
+                   json={"model": SERVED_MODEL, "prompt": prompts[:3], "max_tokens": 10, "temperature": 0,
+                         "ignore_eos": True})
+    assert [c["text"] for c in r.json()["choices"]] == expected[:3]
+    after = h.stats()
+    assert after["frontend_deltas"] == before["frontend_deltas"]  # none of it crossed the channel
+    assert after["generated_tokens"] - before["generated_tokens"] == 19 * 10
+    assert wait_until_idle(embedded)["kv_blocks_used"] == 0
+
+
+def test_a_streaming_client_that_disconnects_aborts_its_request(embedded):
+    wait_until_idle(embedded)
+    before = aborted_requests(embedded)
+    body = {"model": SERVED_MODEL, "prompt": "Hello", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", embedded["base"] + "/v1/completions", json=body, timeout=60) as r:
+        assert next(r.iter_lines()).startswith("data: ")
+    after = wait_until_idle(embedded)
+    assert aborted_requests(embedded) == before + 1
+    assert after["kv_blocks_used"] == 0
+
+
+def test_a_port_in_use_is_an_error_naming_it_and_leaves_no_engine(ray_session):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
+            launch_detached(cluster.EngineConfig(threads_per_worker=1), "embedded-port-taken", http=_spec(port))
+    assert _gone(ray_session, "embedded-port-taken")
+
+
+def test_an_engine_that_cannot_start_leaves_health_503_with_the_reason(ray_session, tmp_path):
+    port = _free_port()
+    actor, started = launch_detached(cluster.EngineConfig(model=str(tmp_path), threads_per_worker=1),
+                                     "embedded-bad-model", http=_spec(port))
+    try:
+        with pytest.raises(Exception):
+            ray_session.get(started, timeout=120)
+        r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
+        assert r.status_code == 503
+        assert r.json()["status"] == "unavailable" and "engine failed to start" in r.json()["reason"]
+        assert r.headers["Retry-After"]
+    finally:
+        ray_session.kill(actor, no_restart=True)
