@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+import ray
 
 import cluster
 from cluster import SamplingParams
@@ -122,7 +123,7 @@ def test_an_engine_that_cannot_start_leaves_health_503_with_the_reason(ray_sessi
     actor, started = launch_detached(cluster.EngineConfig(model=str(tmp_path), threads_per_worker=1),
                                      "embedded-bad-model", http=_spec(port))
     try:
-        with pytest.raises(Exception):
+        with pytest.raises(ray.exceptions.RayTaskError, match="config.json|model"):
             ray_session.get(started, timeout=120)
         r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
         assert r.status_code == 503
