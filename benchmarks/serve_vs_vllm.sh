@@ -65,11 +65,13 @@ trap - EXIT
 
 echo "== raylm served vs in-process, same requests (load average $(cut -d' ' -f1 /proc/loadavg))"
 # each at its default (served: one worker thread, a core left to the server; in-process: every core),
-# then both with the served run's one thread, which isolates what the HTTP path itself costs
-.venv/bin/raylm bench --serve-http --in-process --num-requests "$N" --input-len 128 --output-len 64 --rate inf \
-  --batch-size 64 --compute-dtype float32 --json "$OUT/raylm-served-vs-in-process.json"
-.venv/bin/raylm bench --serve-http --in-process --num-requests "$N" --input-len 128 --output-len 64 --rate inf \
-  --batch-size 64 --compute-dtype float32 --threads-per-worker 1 --json "$OUT/raylm-served-vs-in-process-1t.json"
+# then both with the served run's one thread, which isolates what the HTTP path itself costs; three
+# alternating rounds each (this machine's speed drifts by tens of percent within minutes), the median
+.venv/bin/raylm bench --serve-http --in-process --repeat 3 --num-requests "$N" --input-len 128 --output-len 64 \
+  --rate inf --batch-size 64 --compute-dtype float32 --json "$OUT/raylm-served-vs-in-process.json"
+.venv/bin/raylm bench --serve-http --in-process --repeat 3 --num-requests "$N" --input-len 128 --output-len 64 \
+  --rate inf --batch-size 64 --compute-dtype float32 --threads-per-worker 1 \
+  --json "$OUT/raylm-served-vs-in-process-1t.json"
 
 .venv/bin/python - "$OUT" <<'PY'
 import glob, json, sys

@@ -5,8 +5,8 @@ frontend channel (cluster/channel.py): msgpack both ways, a Ray call per batch o
 side, a second event loop, Ray's threads in two processes. On a 2-core host that was
 ~1 s of CPU per 8,192 streamed tokens (the HTTP process and the engine actor 2.2 s
 between them, against 1.2 s for the one process here), taken from the core the worker
-shares (docs/benchmarks.md, "Sixth pass"). Here uvicorn runs on the engine actor's own
-event loop, and its routes hold a local LLMHandle over the actor's Engine: a request goes
+shares (docs/benchmarks.md, "Sixth pass"). Here uvicorn runs in the engine actor's
+process, on a thread and loop of its own, and its routes hold a local LLMHandle over the actor's Engine: a request goes
 straight to the scheduler and its deltas come back through its RequestStream's loop
 handoff, as in `cluster.launch()`. Other frontends (`cluster.connect()`) still attach
 over the channel. `raylm serve --frontend process` keeps the separate process (where
@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import threading
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class EmbeddedHttp:
         self.spec = dict(spec)
         self.state = ServerState(list(self.spec["model_names"]), self.spec.get("api_key"))
         self._server = None
-        self._task: asyncio.Task | None = None
+        self._thread: threading.Thread | None = None
 
     async def start(self) -> None:
         import uvicorn
@@ -62,16 +63,20 @@ class EmbeddedHttp:
 
         sock = bind(self.spec["host"], int(self.spec["port"]))
         app = build_app(self.state, int(self.spec.get("max_body_bytes") or DEFAULT_MAX_BODY_BYTES))
-        # lifespan off: the app has no startup hooks, and uvicorn exits the process when one fails
+        # lifespan off: the app has no startup hooks (and uvicorn exits when one fails)
         config = uvicorn.Config(app, log_level="info", access_log=bool(self.spec.get("access_log", True)),
                                 lifespan="off", timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
-        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
+        # its own thread and loop (uvloop where installed, as `uvicorn.run` picks), not the actor's:
+        # no signal handlers there, and a failure ends that thread, not the actor
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="raylm-http",
+                                        daemon=True)
+        self._thread.start()
         while not self._server.started:
-            if self._task.done():  # it could not start: say why
+            if not self._thread.is_alive():
                 sock.close()
-                self._task.result()
-                raise RuntimeError(f"the HTTP server on {self.spec['host']}:{self.spec['port']} did not start")
+                raise RuntimeError(f"the HTTP server on {self.spec['host']}:{self.spec['port']} did not start "
+                                   "(its log says why)")
             await asyncio.sleep(0.01)
 
     def serve(self, handle) -> None:
@@ -84,12 +89,9 @@ class EmbeddedHttp:
 
     @property
     def running(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self._thread is not None and self._thread.is_alive()
 
     async def stop(self) -> None:
         if self._server is not None and self.running:
             self._server.should_exit = True
-            try:
-                await asyncio.wait_for(asyncio.shield(self._task), 10)
-            except Exception as e:  # noqa: BLE001 - shutting down: nothing left to tell
-                log.debug("HTTP server stop: %s", e)
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)

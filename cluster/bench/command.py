@@ -154,7 +154,9 @@ def add_parser(sub) -> None:
                    help="with --serve-http: the server's queue bound (a flood beyond it gets 429)")
     b.add_argument("--in-process", action="store_true",
                    help="with --serve-http: the same requests through cluster.launch() too, for the ratio")
-    b.add_argument("--repeat", type=int, default=1, help="rounds of the offline runs (order reversed every other)")
+    b.add_argument("--repeat", type=int, default=1,
+                   help="rounds of the offline runs, or of --serve-http (--in-process: the median ratio); order "
+                        "reversed every other")
     b.add_argument("--address", default=None, help="Ray address to join (default: this process's or a local one)")
     b.add_argument("--json", default=None, metavar="PATH", help="write every figure here (updated after each run)")
     b.add_argument("--plot", default=None, metavar="PATH", help="PNG of throughput against batch size or rate")

@@ -61,25 +61,31 @@ async def _one(session, url: str, body: dict, headers: dict) -> RequestRecord:
                 rec.error = (await resp.text())[:200]
                 rec.latency = time.perf_counter() - t0
                 return rec
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                chunk = json.loads(data)
-                if chunk.get("usage"):
-                    rec.output_tokens = chunk["usage"]["completion_tokens"]
-                    rec.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                if not chunk.get("choices") or not chunk["choices"][0].get("text"):
-                    continue
+            buf, done = b"", False
+            async for data in resp.content.iter_any():  # one read per arrival, not a coroutine per line
                 now = time.perf_counter()
-                if rec.ttft is None:
-                    rec.ttft = now - t0
-                else:
-                    rec.itl.append(now - last)
-                last = now
+                buf += data
+                *events, buf = buf.split(b"\n\n")
+                for event in events:
+                    if not event.startswith(b"data:"):
+                        continue
+                    payload = event[5:].strip()
+                    if payload == b"[DONE]":
+                        done = True
+                        break
+                    chunk = json.loads(payload)
+                    if chunk.get("usage"):
+                        rec.output_tokens = chunk["usage"]["completion_tokens"]
+                        rec.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    if not chunk.get("choices") or not chunk["choices"][0].get("text"):
+                        continue
+                    if rec.ttft is None:
+                        rec.ttft = now - t0
+                    else:
+                        rec.itl.append(now - last)
+                    last = now
+                if done:
+                    break
         rec.latency = time.perf_counter() - t0
         rec.ok = True
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -109,6 +115,17 @@ async def drive(base: str, model: str, prompts: list[str], output_len: int, rate
                 await asyncio.sleep(rng.expovariate(rate))
         records = await asyncio.gather(*tasks)
         return records, time.perf_counter() - t0
+
+
+def run_loop(coro):
+    """asyncio.run, on uvloop where installed (uvicorn's own choice for the server): the
+    clients' loop shares the host's cores with the server, so it should cost little."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -201,37 +218,35 @@ class ServeProcess:
         self._log.close()
 
 
-def in_process(prompts: list[str], output_len: int, engine_kwargs: dict) -> tuple[list[RequestRecord], float]:
-    """The same requests through cluster.launch() in this process, all at once."""
+def in_process_pass(llm, prompts: list[str], output_len: int) -> tuple[list[RequestRecord], float]:
+    """The requests through an in-process handle (cluster.launch()), all at once."""
     import cluster
 
     params = cluster.SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
-    with cluster.launch(**engine_kwargs) as llm:
-        llm.generate(prompts[:4], params)  # warm-up
 
-        async def one(p: str) -> RequestRecord:
-            rec, t0 = RequestRecord(), time.perf_counter()
-            last = t0
-            async for d in llm.astream(p, params):
-                now = time.perf_counter()
-                if d.text:
-                    if rec.ttft is None:
-                        rec.ttft = now - t0
-                    else:
-                        rec.itl.append(now - last)
-                    last = now
-                if d.finished:
-                    rec.output_tokens = len(d.output.token_ids)
-                    rec.prompt_tokens = d.output.num_prompt_tokens
-            rec.latency, rec.ok = time.perf_counter() - t0, True
-            return rec
+    async def one(p: str) -> RequestRecord:
+        rec, t0 = RequestRecord(), time.perf_counter()
+        last = t0
+        async for d in llm.astream(p, params):
+            now = time.perf_counter()
+            if d.text:
+                if rec.ttft is None:
+                    rec.ttft = now - t0
+                else:
+                    rec.itl.append(now - last)
+                last = now
+            if d.finished:
+                rec.output_tokens = len(d.output.token_ids)
+                rec.prompt_tokens = d.output.num_prompt_tokens
+        rec.latency, rec.ok = time.perf_counter() - t0, True
+        return rec
 
-        async def run():
-            t0 = time.perf_counter()
-            recs = await asyncio.gather(*[one(p) for p in prompts])
-            return recs, time.perf_counter() - t0
+    async def run():
+        t0 = time.perf_counter()
+        recs = await asyncio.gather(*[one(p) for p in prompts])
+        return recs, time.perf_counter() - t0
 
-        return asyncio.run(run())
+    return run_loop(run())
 
 
 def print_figures(name: str, f: dict, out=sys.stdout) -> None:
@@ -246,6 +261,32 @@ def print_figures(name: str, f: dict, out=sys.stdout) -> None:
     for k in ("ttft", "tpot", "itl", "e2el"):
         print(f"  {k.upper():5s} ms  mean {ms(k + '_mean')}  median {ms(k + '_median')}  p99 {ms(k + '_p99')}",
               file=out)
+
+
+SERVED, IN_PROCESS = "raylm serve (HTTP)", "raylm in-process"
+
+
+def _served_pass(serve_args, log_path, engine, name, prompts, output_len, rate, seed) -> tuple[str, dict]:
+    with ServeProcess(serve_args, log_path) as srv:
+        run_loop(drive(srv.base, name, prompts[:8], 8))  # warm-up
+        cpu0 = time.thread_time()  # this thread runs the clients' event loop
+        records, elapsed = run_loop(drive(srv.base, name, prompts, output_len, rate, seed))
+        f = figures(records, elapsed)
+        f["client_cpu_s"] = time.thread_time() - cpu0
+        f["after"] = engine_state(srv.base)
+    print_figures(SERVED, f)
+    print(f"  afterwards: {f['after']}; the clients' CPU: {f['client_cpu_s']:.2f} s", flush=True)
+    return SERVED, f
+
+
+def _in_process_pass(serve_args, log_path, engine, name, prompts, output_len, rate, seed) -> tuple[str, dict]:
+    import cluster
+
+    with cluster.launch(**engine) as llm:
+        llm.generate(prompts[:4], cluster.SamplingParams(max_tokens=8, temperature=0))  # warm-up
+        f = figures(*in_process_pass(llm, prompts, output_len))
+    print_figures(IN_PROCESS, f)
+    return IN_PROCESS, f
 
 
 def run(a) -> int:
@@ -279,28 +320,29 @@ def run(a) -> int:
         serve_args += ["--threads-per-worker", str(a.threads_per_worker)]
         engine["threads_per_worker"] = a.threads_per_worker
     name = os.path.basename(os.path.normpath(model)) if model else "tiny-qwen3"
-    results = {}
+    results, ratios = {}, []
     print(f"workload: {len(prompts)} requests, {a.input_len[0]} prompt tokens (random ids as text), "
           f"{output_len} output tokens, ignore_eos, rate {rate}; load average {os.getloadavg()[0]:.1f}", flush=True)
     log_path = os.path.join(a.profile or "/tmp", "raylm-bench-serve.log")
-    with ServeProcess(serve_args, log_path) as srv:
-        asyncio.run(drive(srv.base, name, prompts[:8], 8))  # warm-up
-        cpu0 = time.thread_time()  # this thread runs the clients' event loop
-        records, elapsed = asyncio.run(drive(srv.base, name, prompts, output_len, rate, a.seed))
-        results["raylm serve (HTTP)"] = figures(records, elapsed)
-        results["raylm serve (HTTP)"]["client_cpu_s"] = client_cpu = time.thread_time() - cpu0
-        results["raylm serve (HTTP)"]["after"] = after = engine_state(srv.base)
-        print_figures("raylm serve (HTTP)", results["raylm serve (HTTP)"])
-        print(f"  afterwards: {after}; the clients' CPU: {client_cpu:.2f} s")
-    if a.in_process:
-        records, elapsed = in_process(prompts, output_len, engine)
-        results["raylm in-process"] = figures(records, elapsed)
-        print_figures("raylm in-process", results["raylm in-process"])
-        ratio = results["raylm serve (HTTP)"]["output_throughput"] / results["raylm in-process"]["output_throughput"]
-        print(f"served / in-process output throughput: {ratio:.2f}x")
+    rounds = max(1, a.repeat)
+    # rounds alternate, in-process first every other one, so drift hits both; the two engines
+    # take turns (each worker holds its cores' CPU resources)
+    for r in range(rounds):
+        suffix = f" #{r + 1}" if rounds > 1 else ""
+        passes = [_served_pass, _in_process_pass] if a.in_process else [_served_pass]
+        got = {}
+        for run_pass in passes if r % 2 == 0 else passes[::-1]:
+            label, f = run_pass(serve_args, log_path, engine, name, prompts, output_len, rate, a.seed)
+            results[label + suffix] = got[label] = f
+        if a.in_process:
+            ratios.append(got[SERVED]["output_throughput"] / got[IN_PROCESS]["output_throughput"])
+            print(f"served / in-process output throughput: {ratios[-1]:.2f}x", flush=True)
+    if len(ratios) > 1:
+        print(f"served / in-process over {len(ratios)} alternating rounds: median {statistics.median(ratios):.2f}x "
+              f"({', '.join(f'{x:.2f}' for x in ratios)})")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"workload": {"num_requests": len(prompts), "input_len": a.input_len[0],
                                     "output_len": output_len, "rate": rate}, "engine": engine, "runs": results,
-                       "load_avg": os.getloadavg()}, f, indent=1, default=str)
+                       "ratios": ratios, "load_avg": os.getloadavg()}, f, indent=1, default=str)
     return 0
