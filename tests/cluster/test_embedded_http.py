@@ -131,3 +131,30 @@ def test_an_engine_that_cannot_start_leaves_health_503_with_the_reason(ray_sessi
         assert r.headers["Retry-After"]
     finally:
         ray_session.kill(actor, no_restart=True)
+
+
+COLOR = {"type": "object", "properties": {"color": {"type": "string", "enum": ["red", "green", "blue"]}},
+         "required": ["color"], "additionalProperties": False}
+
+
+def test_chat_n_choices_and_json_output_through_the_local_handle(embedded):
+    base = embedded["base"] + "/v1/chat/completions"
+    messages = [{"role": "user", "content": "Name a color."}]
+    r = httpx.post(base, timeout=120, json={"model": SERVED_MODEL, "messages": messages, "n": 2, "seed": 7,
+                                            "max_tokens": 8, "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200, r.text
+    again = httpx.post(base, timeout=120, json={"model": SERVED_MODEL, "messages": messages, "n": 2, "seed": 7,
+                                                "max_tokens": 8, "chat_template_kwargs": {"enable_thinking": False}})
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+    assert [c["message"]["content"] for c in again.json()["choices"]] == \
+        [c["message"]["content"] for c in r.json()["choices"]]  # seeded per choice
+    assert 2 <= r.json()["usage"]["completion_tokens"] <= 16  # summed over both choices
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": COLOR}}
+    js = httpx.post(base, timeout=120, json={"model": SERVED_MODEL, "messages": messages, "max_tokens": 200,
+                                             "response_format": fmt, "temperature": 0})
+    assert js.status_code == 200, js.text
+    choice = js.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    assert json.loads(choice["message"]["content"])["color"] in COLOR["properties"]["color"]["enum"]
+    bad = httpx.post(base, timeout=30, json={"model": SERVED_MODEL, "messages": messages, "n": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"
