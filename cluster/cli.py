@@ -103,6 +103,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     cfg = cluster.EngineConfig.from_kwargs(**_engine_kwargs(a), reserved_cpus=a.reserved_cpus)
     api_key = resolve_api_key(a.api_key)
     model_names = [a.served_model_name or served_model_name(a.model)]
+    if a.frontend == "engine" and (a.address or "").startswith("ray://"):
+        raise ValueError(f"--frontend engine serves HTTP from the engine actor on this node, which a Ray Client "
+                         f"address ({a.address}) does not make part of the cluster; use --frontend process")
     cluster.ensure_ray(a.address)
     if a.frontend == "process":
         return _serve_from_this_process(a, cfg, model_names, api_key)

@@ -31,8 +31,10 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def served_engine(ray_session, request):
-    """`raylm serve` inside the test process, one per test module: a detached engine actor
-    on the bundled tiny model, the HTTP server on a free port, and its handle connected.
+    """`raylm serve --frontend process` inside the test process, one per test module: a
+    detached engine actor on the bundled tiny model, the HTTP server on a free port in this
+    process, and its handle connected over the channel (test_embedded_http.py covers the
+    default layout, the HTTP server inside the engine actor).
 
     A module tunes it with a SERVED dict: api_key (None), max_body_bytes (the server's
     default), num_kv_blocks (64). Yields {"base": the server's URL, "state": its

@@ -68,6 +68,13 @@ def test_prefill_steps_get_the_reserved_cores_back_unless_the_threads_are_given(
     assert (runner.num_threads, runner.prefill_threads) == (2, 3)
 
 
+def test_serve_in_engine_refuses_a_ray_client_address(capsys):
+    from cluster.cli import main
+
+    assert main(["serve", "--address", "ray://head:10001"]) == 2
+    assert "use --frontend process" in capsys.readouterr().err
+
+
 def test_serve_defaults_bind_loopback_and_take_the_key_from_the_environment(monkeypatch):
     a = build_parser().parse_args(["serve"])
     assert a.host == "127.0.0.1"
