@@ -2,15 +2,16 @@
 
 With the HTTP server in a process of its own, every request and every delta crossed the
 frontend channel (cluster/channel.py): msgpack both ways, a Ray call per batch on each
-side, a second event loop, Ray's threads in two processes. On a 2-core host that was
-~1 s of CPU per 8,192 streamed tokens (the HTTP process and the engine actor 2.2 s
-between them, against 1.2 s for the one process here), taken from the core the worker
-shares (docs/benchmarks.md, "Sixth pass"). Here uvicorn runs in the engine actor's
-process, on a thread and loop of its own, and its routes hold a local LLMHandle over the actor's Engine: a request goes
-straight to the scheduler and its deltas come back through its RequestStream's loop
-handoff, as in `cluster.launch()`. Other frontends (`cluster.connect()`) still attach
-over the channel. `raylm serve --frontend process` keeps the separate process (where
-the host has cores to spare and the frontend's share of one GIL would be the limit).
+side, a second event loop, Ray's threads in two processes. On a 2-core host the HTTP
+process and the engine actor took 2.2-2.4 s of CPU per 8,192 streamed tokens between
+them, the one process here 1.3 s, and that CPU came off the core the worker shares
+(docs/benchmarks.md, "Sixth pass"). Here uvicorn runs in the engine actor's process on a
+thread and event loop of its own (uvloop where installed), and its routes hold a local
+LLMHandle over the actor's Engine: a request goes straight to the scheduler and its
+deltas come back through its RequestStream's loop handoff, as in `cluster.launch()`.
+Other frontends (`cluster.connect()`) still attach over the channel. `raylm serve
+--frontend process` keeps the separate process (for a host with cores to spare, where
+one GIL for the HTTP thread and the replica threads would be the limit).
 
 The socket is bound before the engine loads, so /health answers 503 "loading" meanwhile
 and a port in use is an error at once.
@@ -45,7 +46,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class EmbeddedHttp:
-    """uvicorn serving build_app() on the running event loop; `spec` is the CLI's HTTP
+    """uvicorn serving build_app() from a thread of this process; `spec` is the CLI's HTTP
     options: host, port, model_names, api_key, max_body_bytes, access_log."""
 
     def __init__(self, spec: dict):

@@ -5,8 +5,9 @@ server of `raylm serve` use. Requests and outputs cross over the frontend channe
 (cluster/channel.py): `push` brings a frontend's submissions and aborts in batches, `pull`
 hands it every delta of its requests since its last pull (cluster/outbox.py).
 
-`raylm serve` (by default) also runs its HTTP server here, on the actor's event loop, over
-a local handle to the engine (cluster/embedded_http.py): HTTP traffic skips the channel.
+`raylm serve` (by default) also runs its HTTP server in this process, on a thread of its
+own, over a local handle to the engine (cluster/embedded_http.py): HTTP traffic skips the
+channel.
 """
 
 from __future__ import annotations
