@@ -27,8 +27,8 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster import openai_api as oa
-from cluster import tokenize_api as tk
+import cluster.openai_api as oa
+import cluster.tokenize_api as tk
 from cluster.chat_output import ChatOutput
 from cluster.errors import EngineDeadError, EngineOverloadedError
 
