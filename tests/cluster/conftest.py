@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -27,6 +30,42 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_raylm_serve(ray_session, log_path, name: str, frontend: str, api_key: str = "k-cli"):
+    """`raylm serve` as a user starts it, joining the session's Ray: (process, its log file, base URL)."""
+    port = _free_port()
+    env = dict(os.environ, RAYLM_API_KEY=api_key, PYTHONUNBUFFERED="1")
+    log = open(log_path, "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "serve", "--address", ray_session.get_runtime_context().gcs_address,
+         "--name", name, "--port", str(port), "--num-kv-blocks", "64", "--threads-per-worker", "1",
+         "--disable-access-log", "--frontend", frontend],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return proc, log, f"http://127.0.0.1:{port}"
+
+
+def wait_healthy(proc, log, base: str) -> list[tuple[int, dict]]:
+    """Poll /health until 200; returns every (status, body) seen on the way."""
+    seen = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log_tail(log)
+        try:
+            r = httpx.get(base + "/health", timeout=2)
+            seen.append((r.status_code, r.json()))
+        except httpx.TransportError:
+            pass
+        if seen and seen[-1][0] == 200:
+            return seen
+        time.sleep(0.1)
+    pytest.fail(f"never healthy: {seen[-3:]}\n{log_tail(log)}")
+
+
+def log_tail(f) -> str:
+    f.flush()
+    f.seek(0)
+    return f.read()[-3000:]
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import socket
 import time
 from types import SimpleNamespace
@@ -16,7 +18,14 @@ import ray
 import cluster
 from cluster import SamplingParams
 from cluster.engine_actor import NAMESPACE, launch_detached
-from tests.cluster.conftest import SERVED_MODEL, aborted_requests, wait_until_idle
+from tests.cluster.conftest import (
+    SERVED_MODEL,
+    aborted_requests,
+    log_tail,
+    start_raylm_serve,
+    wait_healthy,
+    wait_until_idle,
+)
 
 pytestmark = pytest.mark.ray
 
@@ -44,22 +53,26 @@ def _gone(ray_session, name: str, timeout: float = 30) -> bool:
 
 
 @pytest.fixture(scope="module")
-def embedded(ray_session):
-    name, port = "embedded-http", _free_port()
-    actor, started = launch_detached(cluster.EngineConfig(num_kv_blocks=64, threads_per_worker=1), name,
-                                     http=_spec(port))
-    base = f"http://127.0.0.1:{port}"
-    loading = httpx.get(base + "/health", timeout=10)  # listening already, the model still loading
-    ray_session.get(started)
-    handle = cluster.connect(name)
-    yield {"base": base, "name": name, "loading": loading, "state": SimpleNamespace(handle=handle)}
-    handle.shutdown()
-    ray_session.kill(actor, no_restart=True)
+def embedded(ray_session, tmp_path_factory):
+    """`raylm serve` at its default, --frontend engine, started as a user would; its
+    engine also reached over the channel by a connect() handle."""
+    name = "embedded-http"
+    proc, log, base = start_raylm_serve(ray_session, tmp_path_factory.mktemp("embedded") / "serve.log", name,
+                                        "engine", api_key="")
+    try:
+        seen = wait_healthy(proc, log, base)
+        handle = cluster.connect(name)
+        yield {"base": base, "name": name, "seen": seen, "proc": proc, "log": log,
+               "state": SimpleNamespace(handle=handle)}
+        handle.shutdown()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=60)
 
 
 def test_health_says_loading_until_the_engine_is_up(embedded):
-    assert embedded["loading"].status_code == 503
-    assert embedded["loading"].json()["status"] == "loading"
+    assert (503, "loading") in [(code, body["status"]) for code, body in embedded["seen"]]
     r = httpx.get(embedded["base"] + "/health")
     assert r.status_code == 200 and r.json()["status"] == "ok"
 
@@ -158,3 +171,9 @@ def test_chat_n_choices_and_json_output_through_the_local_handle(embedded):
     assert json.loads(choice["message"]["content"])["color"] in COLOR["properties"]["color"]["enum"]
     bad = httpx.post(base, timeout=30, json={"model": SERVED_MODEL, "messages": messages, "n": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"
+
+
+def test_raylm_serve_exits_with_an_error_when_its_engine_dies(embedded, ray_session):  # last: it ends the server
+    ray_session.kill(ray_session.get_actor(embedded["name"], namespace=NAMESPACE), no_restart=True)
+    assert embedded["proc"].wait(timeout=60) == 1, log_tail(embedded["log"])
+    assert "the engine actor died" in log_tail(embedded["log"])

@@ -4,25 +4,16 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
-import httpx
 import openai
 import pytest
 
 import cluster
 from cluster.cli import build_parser
+from tests.cluster.conftest import log_tail, start_raylm_serve, wait_healthy
 
 pytestmark = pytest.mark.ray
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_tensor_parallel_size_flag_reaches_the_engine_config():
@@ -87,39 +78,11 @@ def test_serve_defaults_bind_loopback_and_take_the_key_from_the_environment(monk
     assert resolve_api_key(None) is None
 
 
-def _start_serve(ray_session, tmp_path, name: str, frontend: str):
-    port = _free_port()
-    address = ray_session.get_runtime_context().gcs_address
-    env = dict(os.environ, RAYLM_API_KEY="k-cli", PYTHONUNBUFFERED="1")
-    log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--address", address, "--name", name,
-         "--port", str(port), "--num-kv-blocks", "32", "--threads-per-worker", "1", "--disable-access-log",
-         "--frontend", frontend],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    return proc, log, f"http://127.0.0.1:{port}"
-
-
-def _wait_healthy(proc, log, base: str) -> None:
-    statuses = []
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, _tail(log)
-        try:
-            statuses.append(httpx.get(base + "/health", timeout=2).status_code)
-        except httpx.TransportError:
-            pass
-        if statuses and statuses[-1] == 200:
-            return
-        time.sleep(0.2)
-    pytest.fail(f"never healthy: {statuses[-5:]}\n{_tail(log)}")
-
-
 @pytest.mark.parametrize("frontend", ["engine", "process"])
 def test_raylm_serve_process_joins_ray_serves_and_cleans_up(ray_session, tmp_path, frontend):
-    proc, log, base = _start_serve(ray_session, tmp_path, "cli-engine", frontend)
+    proc, log, base = start_raylm_serve(ray_session, tmp_path / "serve.log", "cli-engine", frontend)
     try:
-        _wait_healthy(proc, log, base)
+        wait_healthy(proc, log, base)
         client = openai.OpenAI(base_url=base + "/v1", api_key="k-cli", max_retries=0)
         r = client.completions.create(model="tiny-qwen3", prompt="Hello", max_tokens=5, temperature=0)
         assert r.usage.completion_tokens >= 1
@@ -127,10 +90,10 @@ def test_raylm_serve_process_joins_ray_serves_and_cleans_up(ray_session, tmp_pat
         other = cluster.connect("cli-engine")  # another frontend, over the channel, beside the HTTP one
         assert other.generate("Hello", cluster.SamplingParams(max_tokens=5, temperature=0)).text == r.choices[0].text
         other.shutdown()
-        assert "loaded; serving on" in _tail(log) and "POST /v1/completions" not in _tail(log)  # no access log
+        assert "loaded; serving on" in log_tail(log) and "POST /v1/completions" not in log_tail(log)  # no access log
     finally:
         os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=60) == 0, _tail(log)
+        assert proc.wait(timeout=60) == 0, log_tail(log)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -140,24 +103,6 @@ def test_raylm_serve_process_joins_ray_serves_and_cleans_up(ray_session, tmp_pat
         time.sleep(0.2)
     else:
         pytest.fail("the engine actor outlived `raylm serve`")
-
-
-def test_raylm_serve_exits_with_an_error_when_its_engine_dies(ray_session, tmp_path):
-    proc, log, base = _start_serve(ray_session, tmp_path, "cli-engine-dies", "engine")
-    try:
-        _wait_healthy(proc, log, base)
-        ray_session.kill(ray_session.get_actor("cli-engine-dies", namespace="raylm"), no_restart=True)
-        assert proc.wait(timeout=60) == 1, _tail(log)
-        assert "the engine actor died" in _tail(log)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
-def _tail(f) -> str:
-    f.flush()
-    f.seek(0)
-    return f.read()[-3000:]
 
 
 def test_accelerator_resource_flag_reaches_the_engine_config():
