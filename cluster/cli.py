@@ -147,7 +147,9 @@ def _serve_in_engine(a, cfg, model_names: list[str], api_key: str | None) -> int
                         log.error("engine failed to start: %s", getattr(e, "cause", None) or e)
                 continue
             try:  # still there? (a dead engine took its HTTP server with it)
-                ray.get(actor.serves_http.remote(), timeout=30)
+                if not ray.get(actor.serves_http.remote(), timeout=30):
+                    log.error("the HTTP server inside engine %r stopped (the engine's log says why)", a.name)
+                    return 1
             except ray.exceptions.GetTimeoutError:
                 pass
             except ray.exceptions.RayActorError as e:
