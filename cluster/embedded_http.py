@@ -20,11 +20,8 @@ and a port in use is an error at once.
 from __future__ import annotations
 
 import asyncio
-import logging
 import socket
 import threading
-
-log = logging.getLogger(__name__)
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -266,7 +266,7 @@ def print_figures(name: str, f: dict, out=sys.stdout) -> None:
 SERVED, IN_PROCESS = "raylm serve (HTTP)", "raylm in-process"
 
 
-def _served_pass(serve_args, log_path, engine, name, prompts, output_len, rate, seed) -> tuple[str, dict]:
+def _served_pass(serve_args, log_path, name, prompts, output_len, rate, seed) -> dict:
     with ServeProcess(serve_args, log_path) as srv:
         run_loop(drive(srv.base, name, prompts[:8], 8))  # warm-up
         cpu0 = time.thread_time()  # this thread runs the clients' event loop
@@ -276,17 +276,17 @@ def _served_pass(serve_args, log_path, engine, name, prompts, output_len, rate, 
         f["after"] = engine_state(srv.base)
     print_figures(SERVED, f)
     print(f"  afterwards: {f['after']}; the clients' CPU: {f['client_cpu_s']:.2f} s", flush=True)
-    return SERVED, f
+    return f
 
 
-def _in_process_pass(serve_args, log_path, engine, name, prompts, output_len, rate, seed) -> tuple[str, dict]:
+def _in_process_pass(engine, prompts, output_len) -> dict:
     import cluster
 
     with cluster.launch(**engine) as llm:
         llm.generate(prompts[:4], cluster.SamplingParams(max_tokens=8, temperature=0))  # warm-up
         f = figures(*in_process_pass(llm, prompts, output_len))
     print_figures(IN_PROCESS, f)
-    return IN_PROCESS, f
+    return f
 
 
 def run(a) -> int:
@@ -327,13 +327,14 @@ def run(a) -> int:
     rounds = max(1, a.repeat)
     # rounds alternate, in-process first every other one, so drift hits both; the two engines
     # take turns (each worker holds its cores' CPU resources)
+    passes = {SERVED: lambda: _served_pass(serve_args, log_path, name, prompts, output_len, rate, a.seed)}
+    if a.in_process:
+        passes[IN_PROCESS] = lambda: _in_process_pass(engine, prompts, output_len)
     for r in range(rounds):
         suffix = f" #{r + 1}" if rounds > 1 else ""
-        passes = [_served_pass, _in_process_pass] if a.in_process else [_served_pass]
         got = {}
-        for run_pass in passes if r % 2 == 0 else passes[::-1]:
-            label, f = run_pass(serve_args, log_path, engine, name, prompts, output_len, rate, a.seed)
-            results[label + suffix] = got[label] = f
+        for label in list(passes) if r % 2 == 0 else list(passes)[::-1]:
+            results[label + suffix] = got[label] = passes[label]()
         if a.in_process:
             ratios.append(got[SERVED]["output_throughput"] / got[IN_PROCESS]["output_throughput"])
             print(f"served / in-process output throughput: {ratios[-1]:.2f}x", flush=True)

@@ -26,7 +26,7 @@ def faulty_workers(monkeypatch):
     monkeypatch.setenv(WORKER_ACTOR_ENV, FAULTY_WORKER)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -34,7 +34,7 @@ def _free_port() -> int:
 
 def start_raylm_serve(ray_session, log_path, name: str, frontend: str, api_key: str = "k-cli"):
     """`raylm serve` as a user starts it, joining the session's Ray: (process, its log file, base URL)."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, RAYLM_API_KEY=api_key, PYTHONUNBUFFERED="1")
     log = open(log_path, "w+")
     proc = subprocess.Popen(
@@ -91,7 +91,7 @@ def served_engine(ray_session, request):
     actor, started = launch_detached(cluster.EngineConfig(num_kv_blocks=opts["num_kv_blocks"], threads_per_worker=1),
                                      name)
     state = ServerState([SERVED_MODEL], opts["api_key"])
-    port = _free_port()
+    port = free_port()
     srv = uvicorn.Server(uvicorn.Config(build_app(state, max_body_bytes=opts["max_body_bytes"]), host="127.0.0.1",
                                         port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)

@@ -21,6 +21,7 @@ from cluster.engine_actor import NAMESPACE, launch_detached
 from tests.cluster.conftest import (
     SERVED_MODEL,
     aborted_requests,
+    free_port,
     log_tail,
     start_raylm_serve,
     wait_healthy,
@@ -28,12 +29,6 @@ from tests.cluster.conftest import (
 )
 
 pytestmark = pytest.mark.ray
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spec(port: int) -> dict:
@@ -132,7 +127,7 @@ def test_a_port_in_use_is_an_error_naming_it_and_leaves_no_engine(ray_session):
 
 
 def test_an_engine_that_cannot_start_leaves_health_503_with_the_reason(ray_session, tmp_path):
-    port = _free_port()
+    port = free_port()
     actor, started = launch_detached(cluster.EngineConfig(model=str(tmp_path), threads_per_worker=1),
                                      "embedded-bad-model", http=_spec(port))
     try:
