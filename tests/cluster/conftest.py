@@ -125,9 +125,13 @@ def wait_until_idle(server, timeout=60) -> dict:
 
 
 def aborted_requests(server) -> float:
-    """How many requests the served engine has finished with "abort" (its /metrics)."""
+    return finished_requests(server, "abort")
+
+
+def finished_requests(server, reason: str) -> float:
+    """How many requests the served engine has finished with `reason` (its /metrics)."""
     text = httpx.get(server["base"] + "/metrics").text
     for ln in text.splitlines():
-        if ln.startswith('raylm_requests_total{finish_reason="abort"}'):
+        if ln.startswith(f'raylm_requests_total{{finish_reason="{reason}"}}'):
             return float(ln.split(" ")[1])
     return 0.0
