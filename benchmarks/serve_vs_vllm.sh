@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # raylm serve vs vllm serve under vLLM's own load client, one after the other, then raylm
 # served vs in-process on the same requests (raylm bench --serve-http --in-process).
-# Needs .venv (make venv) and a vLLM CPU build in $PEERS (make peers; see ../shared/PEERS.md).
+# Needs .venv (make venv) and a vLLM CPU build in $PEERS (default .venv-peers: make peers; see
+# ../shared/PEERS.md).
 # Usage: benchmarks/serve_vs_vllm.sh [OUT_DIR]   (results: OUT_DIR/*.json, logs beside them)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/raylm-serve-vs-vllm}
-PEERS=${PEERS:-/work/.venv-peers}
+PEERS=${PEERS:-${RAYLM_PEERS_VENV:-.venv-peers}}  # what `make peers` creates
 MODEL=$(.venv/bin/python -c "from workers.loader import bundled_model_path; print(bundled_model_path())")
 NAME=tiny
 N=${NUM_PROMPTS:-128}
