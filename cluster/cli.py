@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 
-from cluster.config import GENERATION_CONFIG_MODES
+from cluster.config import DEFAULT_GIL_SWITCH_INTERVAL_MS, GENERATION_CONFIG_MODES, check_gil_switch_interval_ms
 
 log = logging.getLogger("raylm")
 
@@ -101,6 +101,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     import cluster
 
     cfg = cluster.EngineConfig.from_kwargs(**_engine_kwargs(a), reserved_cpus=a.reserved_cpus)
+    check_gil_switch_interval_ms(a.gil_switch_interval_ms)
     api_key = resolve_api_key(a.api_key)
     model_names = [a.served_model_name or served_model_name(a.model)]
     if a.frontend == "engine" and (a.address or "").startswith("ray://"):
@@ -122,7 +123,7 @@ def _serve_in_engine(a, cfg, model_names: list[str], api_key: str | None) -> int
     spec = {"host": a.host, "port": a.port, "model_names": model_names, "api_key": api_key,
             "max_body_bytes": a.max_body_bytes, "access_log": not a.disable_access_log}
     try:
-        actor, started = launch_detached(cfg, a.name, http=spec)
+        actor, started = launch_detached(cfg, a.name, http=spec, gil_switch_interval_ms=a.gil_switch_interval_ms)
     except OSError as e:
         print(f"raylm: error: {e}", file=sys.stderr)
         return 1
@@ -171,7 +172,7 @@ def _serve_from_this_process(a, cfg, model_names: list[str], api_key: str | None
     from cluster.engine_client import EngineClient
     from cluster.server import ServerState, build_app
 
-    actor, started = launch_detached(cfg, a.name)
+    actor, started = launch_detached(cfg, a.name, gil_switch_interval_ms=a.gil_switch_interval_ms)
     state = ServerState(model_names, api_key)
 
     def wait_until_loaded() -> None:
@@ -233,6 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the HTTP server runs: 'engine' (the default), inside the engine actor's process, "
                         "no channel between them; 'process', in this process, a frontend of the engine over "
                         "the channel (for hosts with cores to spare, where one GIL for both would limit)")
+    s.add_argument("--gil-switch-interval-ms", type=float, default=DEFAULT_GIL_SWITCH_INTERVAL_MS,
+                   help="how long a thread of the engine actor's process may hold the GIL while another waits "
+                        "(sys.setswitchinterval; Python's default is 5 ms, a whole decode step: the step loop "
+                        "then waits behind the HTTP server)")
     s.add_argument("--disable-access-log", action="store_true",
                    help="no log line per HTTP request (as vLLM's --disable-uvicorn-access-log; ~5%% of the "
                         "server's CPU under a burst of short requests)")

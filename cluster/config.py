@@ -18,6 +18,15 @@ from workers.block_sizes import check_npu_block_size, default_block_size
 from workers.runner_config import DEVICE_KINDS, RunnerConfig, canonical_dtype, device_outputs_enabled
 
 GENERATION_CONFIG_MODES = ("auto", "none")
+# the engine actor's sys.setswitchinterval, in ms (cluster/engine_actor.py says why); None: Python's 5 ms
+DEFAULT_GIL_SWITCH_INTERVAL_MS = 0.5
+
+
+def check_gil_switch_interval_ms(value) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 100:
+        raise ValueError(f"gil_switch_interval_ms must be a number in (0, 100] or None, got {value!r}")
 
 
 @dataclass

@@ -8,24 +8,36 @@ hands it every delta of its requests since its last pull (cluster/outbox.py).
 `raylm serve` (by default) also runs its HTTP server in this process, on a thread of its
 own, over a local handle to the engine (cluster/embedded_http.py): HTTP traffic skips the
 channel.
+
+Every thread of this process shares one GIL: the replica loops, the event loop serving
+the channel and, with it, the HTTP server's. A replica loop leaves the GIL in each Ray
+call (submitting step N+2, waiting for step N) and takes it back when the call returns;
+Python makes a thread that wants the GIL wait up to the switch interval (5 ms by default)
+before it makes the holder let go, and a decode step of the tiny model takes 6-10 ms. So
+this process switches every `gil_switch_interval_ms` (0.5 ms by default): under `vllm bench
+serve`-like load the replica loop's step submissions took 3-4 ms each at 5 ms, 2 ms at 0.5 ms
+(docs/benchmarks.md, "Seventh pass").
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import ray
 
-from cluster.config import EngineConfig
+from cluster.config import DEFAULT_GIL_SWITCH_INTERVAL_MS, EngineConfig, check_gil_switch_interval_ms
 from cluster.outbox import Outboxes
 
 NAMESPACE = "raylm"
 
 
 class EngineActor:
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, gil_switch_interval_ms: float | None = DEFAULT_GIL_SWITCH_INTERVAL_MS):
         from cluster.engine import Engine
 
+        if gil_switch_interval_ms is not None:  # None: Python's own (5 ms)
+            sys.setswitchinterval(gil_switch_interval_ms / 1000)
         self.engine = Engine(EngineConfig(**config))
         self._outboxes = Outboxes(self.engine)
         self._ready = False
@@ -62,7 +74,8 @@ class EngineActor:
     def info(self) -> dict:
         e = self.engine
         return {"config": e.config.to_dict(), "model_path": e.model_path, "max_model_len": e.max_model_len,
-                "vocab_size": e.vocab_size, "sampling_defaults": e.sampling_defaults, "ready": self._ready}
+                "vocab_size": e.vocab_size, "sampling_defaults": e.sampling_defaults, "ready": self._ready,
+                "gil_switch_interval_ms": sys.getswitchinterval() * 1000}
 
     # ---- the frontend channel ----
     async def open_frontend(self, frontend_id: str, lease_s: float) -> None:
@@ -120,10 +133,12 @@ class EngineActor:
 RemoteEngineActor = ray.remote(num_cpus=0, max_concurrency=1000, max_restarts=0)(EngineActor)
 
 
-def launch_detached(config: EngineConfig, name: str, namespace: str = NAMESPACE, http: dict | None = None):
+def launch_detached(config: EngineConfig, name: str, namespace: str = NAMESPACE, http: dict | None = None,
+                    gil_switch_interval_ms: float | None = DEFAULT_GIL_SWITCH_INTERVAL_MS):
     """Start a named, detached EngineActor; returns it and the ref of its start() (the
     model loaded). With `http` (EmbeddedHttp's spec) the actor runs on this node and
     listens there before loading: an error taking the port is raised here."""
+    check_gil_switch_interval_ms(gil_switch_interval_ms)
     try:
         ray.get_actor(name, namespace=namespace)
     except ValueError:
@@ -137,7 +152,7 @@ def launch_detached(config: EngineConfig, name: str, namespace: str = NAMESPACE,
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
                                                                         soft=False)
     actor = RemoteEngineActor.options(name=name, namespace=namespace, lifetime="detached",
-                                      **options).remote(config.to_dict())
+                                      **options).remote(config.to_dict(), gil_switch_interval_ms)
     if http is not None:
         try:
             ray.get(actor.start_http.remote(http))

@@ -32,15 +32,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_raylm_serve(ray_session, log_path, name: str, frontend: str, api_key: str = "k-cli"):
-    """`raylm serve` as a user starts it, joining the session's Ray: (process, its log file, base URL)."""
+def start_raylm_serve(ray_session, log_path, name: str, frontend: str, api_key: str = "k-cli", extra=()):
+    """`raylm serve` as a user starts it, joining the session's Ray: (process, its log file, base URL);
+    `extra`: more of its flags."""
     port = free_port()
     env = dict(os.environ, RAYLM_API_KEY=api_key, PYTHONUNBUFFERED="1")
     log = open(log_path, "w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", "--address", ray_session.get_runtime_context().gcs_address,
          "--name", name, "--port", str(port), "--num-kv-blocks", "64", "--threads-per-worker", "1",
-         "--disable-access-log", "--frontend", frontend],
+         "--disable-access-log", "--frontend", frontend, *extra],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return proc, log, f"http://127.0.0.1:{port}"
 

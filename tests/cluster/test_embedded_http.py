@@ -17,6 +17,7 @@ import ray
 
 import cluster
 from cluster import SamplingParams
+from cluster.config import DEFAULT_GIL_SWITCH_INTERVAL_MS
 from cluster.engine_actor import NAMESPACE, launch_detached
 from tests.cluster.conftest import (
     SERVED_MODEL,
@@ -70,6 +71,9 @@ def test_health_says_loading_until_the_engine_is_up(embedded):
     assert (503, "loading") in [(code, body["status"]) for code, body in embedded["seen"]]
     r = httpx.get(embedded["base"] + "/health")
     assert r.status_code == 200 and r.json()["status"] == "ok"
+    # the engine's process (HTTP thread and step loop on one GIL) switches threads at the CLI's default
+    info = embedded["state"].handle._engine.info
+    assert info["gil_switch_interval_ms"] == pytest.approx(DEFAULT_GIL_SWITCH_INTERVAL_MS)
 
 
 def test_http_requests_skip_the_channel_and_equal_a_connected_handles(embedded):

@@ -59,6 +59,14 @@ def test_prefill_steps_get_the_reserved_cores_back_unless_the_threads_are_given(
     assert (runner.num_threads, runner.prefill_threads) == (2, 3)
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "101", "nan"])
+def test_serve_refuses_a_gil_switch_interval_out_of_range(capsys, value):
+    from cluster.cli import main
+
+    assert main(["serve", "--gil-switch-interval-ms", value]) == 2
+    assert f"gil_switch_interval_ms must be a number in (0, 100] or None, got {float(value)}" in capsys.readouterr().err
+
+
 def test_serve_in_engine_refuses_a_ray_client_address(capsys):
     from cluster.cli import main
 
@@ -80,7 +88,8 @@ def test_serve_defaults_bind_loopback_and_take_the_key_from_the_environment(monk
 
 @pytest.mark.parametrize("frontend", ["engine", "process"])
 def test_raylm_serve_process_joins_ray_serves_and_cleans_up(ray_session, tmp_path, frontend):
-    proc, log, base = start_raylm_serve(ray_session, tmp_path / "serve.log", "cli-engine", frontend)
+    proc, log, base = start_raylm_serve(ray_session, tmp_path / "serve.log", "cli-engine", frontend,
+                                        extra=["--gil-switch-interval-ms", "2.5"])
     try:
         wait_healthy(proc, log, base)
         client = openai.OpenAI(base_url=base + "/v1", api_key="k-cli", max_retries=0)
@@ -89,6 +98,7 @@ def test_raylm_serve_process_joins_ray_serves_and_cleans_up(ray_session, tmp_pat
         assert ray_session.get_actor("cli-engine", namespace="raylm") is not None
         other = cluster.connect("cli-engine")  # another frontend, over the channel, beside the HTTP one
         assert other.generate("Hello", cluster.SamplingParams(max_tokens=5, temperature=0)).text == r.choices[0].text
+        assert other._engine.info["gil_switch_interval_ms"] == pytest.approx(2.5)  # the engine process's own
         other.shutdown()
         assert "loaded; serving on" in log_tail(log) and "POST /v1/completions" not in log_tail(log)  # no access log
     finally:
