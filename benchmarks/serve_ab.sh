@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# A/B of two `raylm serve` flag sets under vLLM's own load client: both servers up (each with a Ray
+# of its own), warmed with the whole workload, then ROUNDS rounds alternating which goes first; the
+# per-round ratio A/B and its median. The machine's speed drifts by tens of percent within minutes,
+# which one run of each, minutes apart, measures more than the flags.
+# Usage: ARGS_A="" ARGS_B="--gil-switch-interval-ms 5" benchmarks/serve_ab.sh   (needs make venv, make peers)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PEERS=${PEERS:-${RAYLM_PEERS_VENV:-.venv-peers}}
+MODEL=$(.venv/bin/python -c "from workers.loader import bundled_model_path; print(bundled_model_path())")
+N=${NUM_PROMPTS:-128}
+ROUNDS=${ROUNDS:-6}
+LOG=${LOG_DIR:-/tmp/raylm-serve-ab}
+mkdir -p "$LOG"
+start() {  # port args
+  # shellcheck disable=SC2086
+  .venv/bin/raylm serve --dtype float32 --max-num-seqs 64 --served-model-name tiny --port "$1" \
+    --name "ab-$1" --address local $2 >"$LOG/serve-$1.log" 2>&1 &
+  PIDS+=($!)
+}
+PIDS=()
+trap 'kill -INT "${PIDS[@]}" 2>/dev/null || true' EXIT
+start 8341 "${ARGS_A:-}"
+start 8342 "${ARGS_B:-}"
+for p in 8341 8342; do
+  for _ in $(seq 1 600); do curl -sf "http://127.0.0.1:$p/health" >/dev/null && break; sleep 0.5; done
+done
+load() {  # port seed -> output tok/s
+  "$PEERS/bin/vllm" bench serve --backend openai --base-url "http://127.0.0.1:$1" --model "$MODEL" \
+    --served-model-name tiny --tokenizer "$MODEL" --dataset-name random --random-input-len 128 \
+    --random-output-len 64 --num-prompts "$N" --request-rate inf --ignore-eos --seed "$2" 2>&1 | \
+    awk '/Output token throughput/ {print $NF}'
+}
+load 8341 1 >/dev/null; load 8342 1 >/dev/null
+RATIOS=()
+for r in $(seq 1 "$ROUNDS"); do
+  if [ $((r % 2)) = 1 ]; then a=$(load 8341 0); b=$(load 8342 0); else b=$(load 8342 0); a=$(load 8341 0); fi
+  RATIOS+=("$(python3 -c "print(f'{$a / $b:.2f}')")")
+  echo "round $r: A ${ARGS_A:-(defaults)} $a, B ${ARGS_B:-(defaults)} $b out tok/s: A/B ${RATIOS[-1]}"
+done
+python3 -c "import statistics, sys; print(f'A/B median over {len(sys.argv) - 1} rounds: {statistics.median(map(float, sys.argv[1:])):.2f}x')" "${RATIOS[@]}"
