@@ -1,7 +1,9 @@
 """Paged attention backends side by side on Qwen3-0.6B's attention shape (16 query heads, 8 KV
-heads, head_dim 128, block 16), fp32: a decode batch and a mixed batch with prefill chunks.
+heads, head_dim 128, block 16) or the bundled tiny model's (--shape tiny), fp32: a decode batch
+and a mixed batch with prefill chunks.
 
     PYTHONPATH=. python benchmarks/bench_attention.py [--threads 2] [--rows 64] [--ctx 40:380] [--reps 5]
+        [--shape qwen3-0.6b|tiny]
 
 Backends take turns in every repetition (so machine load hits them alike); prints the median
 milliseconds per layer call (prepare excluded: it runs once per step for all layers) and the
@@ -23,6 +25,8 @@ from workers.ops.cpu_attention import ChunkedPagedAttention, PagedAttention
 from workers.ops.metadata import SequenceRows, build_metadata
 from workers.ops.reference import GatherSDPAAttention
 
+SHAPES = {"qwen3-0.6b": (8, 16, 128), "tiny": (2, 4, 32)}  # KV heads, query heads, head_dim
+
 
 def batch(rng, rows, ctx, prefills, bs, num_blocks):
     free = list(range(num_blocks))
@@ -42,10 +46,12 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--ctx", default="40:380")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--shape", choices=SHAPES, default="qwen3-0.6b",
+                    help="attention shape: Qwen3-0.6B's or the bundled tiny model's (4 query heads, 2 KV, head_dim 32)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     ctx = tuple(int(x) for x in a.ctx.split(":"))
-    bs, kvh, h, d = 16, 8, 16, 128
+    bs, (kvh, h, d) = 16, SHAPES[a.shape]
     rng = random.Random(0)
     backends = {"gather-sdpa (reference)": GatherSDPAAttention(), "chunked-online-softmax": ChunkedPagedAttention()}
     if cpu_kernels.load() is not None:  # raylm's C++ kernel, where it builds
