@@ -5,16 +5,14 @@
 # which one run of each, minutes apart, measures more than the flags.
 # Usage: ARGS_A="" ARGS_B="--gil-switch-interval-ms 5" benchmarks/serve_ab.sh   (needs make venv, make peers)
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PEERS=${PEERS:-${RAYLM_PEERS_VENV:-.venv-peers}}
-MODEL=$(.venv/bin/python -c "from workers.loader import bundled_model_path; print(bundled_model_path())")
-N=${NUM_PROMPTS:-128}
+# shellcheck source=benchmarks/serve_common.sh
+source "$(dirname "$0")/serve_common.sh"
 ROUNDS=${ROUNDS:-6}
 LOG=${LOG_DIR:-/tmp/raylm-serve-ab}
 mkdir -p "$LOG"
 start() {  # port args
   # shellcheck disable=SC2086
-  .venv/bin/raylm serve --dtype float32 --max-num-seqs 64 --served-model-name tiny --port "$1" \
+  .venv/bin/raylm serve --dtype float32 --max-num-seqs 64 --served-model-name "$NAME" --port "$1" \
     --name "ab-$1" --address local $2 >"$LOG/serve-$1.log" 2>&1 &
   PIDS+=($!)
 }
@@ -22,14 +20,10 @@ PIDS=()
 trap 'kill -INT "${PIDS[@]}" 2>/dev/null || true' EXIT
 start 8341 "${ARGS_A:-}"
 start 8342 "${ARGS_B:-}"
-for p in 8341 8342; do
-  for _ in $(seq 1 600); do curl -sf "http://127.0.0.1:$p/health" >/dev/null && break; sleep 0.5; done
-done
+wait_healthy 8341 "${PIDS[0]}"
+wait_healthy 8342 "${PIDS[1]}"
 load() {  # port seed -> output tok/s
-  "$PEERS/bin/vllm" bench serve --backend openai --base-url "http://127.0.0.1:$1" --model "$MODEL" \
-    --served-model-name tiny --tokenizer "$MODEL" --dataset-name random --random-input-len 128 \
-    --random-output-len 64 --num-prompts "$N" --request-rate inf --ignore-eos --seed "$2" 2>&1 | \
-    awk '/Output token throughput/ {print $NF}'
+  vllm_bench "$1" "$2" | awk '/Output token throughput/ {print $NF}'
 }
 load 8341 1 >/dev/null; load 8342 1 >/dev/null
 RATIOS=()

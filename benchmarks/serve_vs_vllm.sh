@@ -5,37 +5,20 @@
 # ../shared/PEERS.md).
 # Usage: benchmarks/serve_vs_vllm.sh [OUT_DIR]   (results: OUT_DIR/*.json, logs beside them)
 set -euo pipefail
-cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/raylm-serve-vs-vllm}
-PEERS=${PEERS:-${RAYLM_PEERS_VENV:-.venv-peers}}  # what `make peers` creates
-MODEL=$(.venv/bin/python -c "from workers.loader import bundled_model_path; print(bundled_model_path())")
-NAME=tiny
-N=${NUM_PROMPTS:-128}
+# shellcheck source=benchmarks/serve_common.sh
+source "$(dirname "$0")/serve_common.sh"
 mkdir -p "$OUT"
 export VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-$(($(nproc) - 1)) VLLM_CPU_NUM_OF_RESERVED_CPU=0
 
-wait_healthy() {  # port pid
-  for _ in $(seq 1 900); do
-    if curl -sf "http://127.0.0.1:$1/health" >/dev/null; then return 0; fi
-    kill -0 "$2" 2>/dev/null || { echo "server $2 exited"; return 1; }
-    sleep 1
-  done
-  return 1
-}
-
 load() {  # port label
-  "$PEERS/bin/vllm" bench serve --backend openai --base-url "http://127.0.0.1:$1" --model "$MODEL" \
-    --served-model-name "$NAME" --tokenizer "$MODEL" --dataset-name random --random-input-len 128 \
-    --random-output-len 64 --num-prompts "$N" --request-rate inf --ignore-eos --seed 0 \
-    --save-result --save-detailed --result-dir "$OUT" --result-filename "$2.json" 2>&1 | tee "$OUT/$2.txt" | \
+  vllm_bench "$1" 0 --save-result --save-detailed --result-dir "$OUT" --result-filename "$2.json" | tee "$OUT/$2.txt" | \
     grep -E "throughput|TTFT|TPOT|ITL|Successful|Failed|Benchmark duration"
 }
 
 warm() {  # port: the same workload once, untimed (other prompts), so a fresh server's first burst, which
   # ran 15-25% slower than the next on raylm (new batch shapes), stays out of the timed run; both servers get it
-  "$PEERS/bin/vllm" bench serve --backend openai --base-url "http://127.0.0.1:$1" --model "$MODEL" \
-    --served-model-name "$NAME" --tokenizer "$MODEL" --dataset-name random --random-input-len 128 \
-    --random-output-len 64 --num-prompts "$N" --request-rate inf --ignore-eos --seed 1 >/dev/null 2>&1 || true
+  vllm_bench "$1" 1 >/dev/null || true
 }
 
 # All three servers stay up (idle between loads: raylm's engine blocks, vLLM's engine core waits on

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, fields
 
-from scheduler.checks import check_bool, check_fraction, check_int, check_positive, is_int
+from scheduler.checks import check_bool, check_fraction, check_int, check_positive, is_int, is_number
 from scheduler.scheduler_config import SchedulerConfig
 from workers.block_sizes import check_npu_block_size, default_block_size
 from workers.runner_config import DEVICE_KINDS, RunnerConfig, canonical_dtype, device_outputs_enabled
@@ -25,7 +25,7 @@ DEFAULT_GIL_SWITCH_INTERVAL_MS = 0.5
 def check_gil_switch_interval_ms(value) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 100:
+    if not is_number(value) or not 0 < value <= 100:
         raise ValueError(f"gil_switch_interval_ms must be a number in (0, 100] or None, got {value!r}")
 
 
