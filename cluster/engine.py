@@ -31,7 +31,7 @@ from cluster.outputs import RequestMetrics, RequestOutput, StreamDelta, TokenLog
 from cluster.placement import cpu_worker_threads, create_replica_groups, release, worker_resources
 from cluster.replica import Replica
 from cluster.router import Router
-from cluster.stream import RequestStream
+from cluster.stream import RequestStream, deliver
 from scheduler.checks import is_int
 from scheduler.request import FinishReason, Request, SamplingParams
 
@@ -255,11 +255,15 @@ class Engine:
 
     # ---- outputs (a replica's loop thread, no replica lock held) ----
     def _on_updates(self, replica: Replica, updates) -> None:
+        out: list = []  # (sink, delta): the step's deltas, handed over with one wake-up per event loop
         with self._lock:
-            for u in updates:
-                self._on_update(replica, u)
+            try:
+                for u in updates:
+                    self._on_update(replica, u, out)
+            finally:  # under the lock: an abort's last delta cannot overtake these
+                deliver(out)
 
-    def _on_update(self, replica: Replica, u) -> None:
+    def _on_update(self, replica: Replica, u, out: list) -> None:
         st = self._requests.get(u.request.request_id)
         if st is None:
             return  # aborted meanwhile: the replica drops it when it reads the message
@@ -271,16 +275,17 @@ class Engine:
         st.token_ids += u.new_token_ids
         stopped = bool(u.new_token_ids) and st.detok.append(u.new_token_ids) is not None  # a stop string
         if u.finished:
-            self._finalize(st, req.finish_reason or FinishReason.STOP, new_ids=u.new_token_ids, logprobs=logprobs)
+            self._finalize(st, req.finish_reason or FinishReason.STOP, new_ids=u.new_token_ids, logprobs=logprobs,
+                           out=out)
             return
         if stopped:
             replica.post_finish(req.request_id, FinishReason.STOP)  # the replica frees it before its next plan
             self._finalize(st, FinishReason.STOP, new_ids=u.new_token_ids, logprobs=logprobs,
-                           finish_time=time.monotonic())
+                           finish_time=time.monotonic(), out=out)
             return
         text = st.detok.take_delta()
         if text or u.new_token_ids:
-            st.stream.put(StreamDelta(req.request_id, text, list(u.new_token_ids), logprobs))
+            out.append((st.stream, StreamDelta(req.request_id, text, list(u.new_token_ids), logprobs)))
 
     def _token_logprob(self, lp) -> TokenLogprob:
         text = self._token_text
@@ -291,9 +296,10 @@ class Engine:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
 
     def _finalize(self, st: _RequestState, reason: FinishReason, *, new_ids=(), logprobs=None,
-                  error: str | None = None, finish_time: float | None = None) -> None:
-        """The request's last delta. `finish_time` when the engine ended it (abort, stop
-        string) before its replica did; otherwise the scheduler's."""
+                  error: str | None = None, finish_time: float | None = None, out: list | None = None) -> None:
+        """The request's last delta, put in its sink (or appended to `out` as (sink, delta)).
+        `finish_time` when the engine ended it (abort, stop string) before its replica did;
+        otherwise the scheduler's."""
         req = st.request
         if self._requests.pop(req.request_id, None) is None:
             return
@@ -322,7 +328,11 @@ class Engine:
             metrics=_metrics(req, req.finish_time if finish_time is None else finish_time),
         )
         self.metrics.observe_finished(reason_value, output.metrics.ttft, output.metrics.tpot)
-        st.stream.put(StreamDelta(req.request_id, text, list(new_ids), logprobs, reason_value, output))
+        delta = StreamDelta(req.request_id, text, list(new_ids), logprobs, reason_value, output)
+        if out is None:
+            st.stream.put(delta)
+        else:
+            out.append((st.stream, delta))
 
     def _retry_after(self) -> float | None:
         waits = [r.health_state.cooldown_left() for r in self.replicas if r.health_state.state == "down"]

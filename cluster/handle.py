@@ -130,10 +130,8 @@ class LLMHandle:
         asks, as a list: a consumer that fell behind catches up in one go."""
         s = await self._asubmit(prompt, params, request_id)
         try:
-            async for delta in s:
-                yield [delta] + s.take_ready()
-                if s.ended:
-                    return
+            async for batch in s.batches():
+                yield batch
         finally:
             self._release(s)
 

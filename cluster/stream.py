@@ -2,8 +2,9 @@
 a blocking reader or an asyncio task, without polling.
 
 A stream may also carry an error (a rejected submission, a lost engine): its reader
-raises it. `deliver` hands many streams their deltas with one wake-up per event loop,
-which is how a frontend fans one batch from the engine out to its requests.
+raises it. `deliver` hands many streams their deltas with one wake-up per event loop:
+the engine hands over each step's deltas that way (an HTTP server's 64 streams cost its
+loop one wake-up a step, not 64), and a frontend fans each batch from the channel out.
 
 A request with n choices runs as n engine requests (one per choice) that all feed one
 stream: it tags each delta with its choice's index, ends when every choice has ended, and
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
-from collections import defaultdict
+from collections import defaultdict, deque
 
 from cluster.outputs import RequestOutput, StreamDelta
 
@@ -24,7 +25,10 @@ class RequestStream:
         self.request_id = request_id
         self._loop = loop
         self._sync: queue.SimpleQueue | None = None if loop else queue.SimpleQueue()
-        self._async: asyncio.Queue | None = asyncio.Queue() if loop else None
+        # asyncio readers: the loop's own deque and one waiter future (an asyncio.Queue's
+        # put/get machinery cost more per token than the rest of the hand-over)
+        self._async: deque | None = deque() if loop else None
+        self._waiter: asyncio.Future | None = None
         # the engine request id of each choice, when there are several
         self.choice_ids = list(choice_ids) if choice_ids else [request_id]
         self._index = {rid: i for i, rid in enumerate(self.choice_ids)}
@@ -39,9 +43,24 @@ class RequestStream:
             self._sync.put(item)
         else:
             try:
-                self._loop.call_soon_threadsafe(self._async.put_nowait, item)
+                self._loop.call_soon_threadsafe(self._push, item)
             except RuntimeError:  # the consumer's loop is closed: nobody is listening
                 pass
+
+    def _push(self, item) -> None:  # on the consumer's loop
+        self._async.append(item)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def _next(self):  # on the consumer's loop
+        while not self._async:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._read(self._async.popleft())
 
     def fail(self, error: BaseException) -> None:
         self.put(error)
@@ -80,15 +99,15 @@ class RequestStream:
             self._unread -= 1
         return item
 
-    def pending(self) -> int:
-        """Deltas put but not yet read (asyncio streams; what a consumer may take at once)."""
-        q = self._async if self._async is not None else self._sync
-        return q.qsize()
-
     def take_ready(self) -> list[StreamDelta]:
         """The deltas already queued, without waiting (on the consumer's side)."""
         out = []
-        q = self._async if self._async is not None else self._sync
+        if self._async is not None:
+            q = self._async
+            while q and not self.ended:
+                out.append(self._read(q.popleft()))
+            return out
+        q = self._sync
         while not self.ended and not q.empty():
             out.append(self._read(q.get_nowait()))
         return out
@@ -103,7 +122,15 @@ class RequestStream:
         if self._async is None:
             raise TypeError("this stream was opened for blocking reads; use `for`")
         while not self.ended:
-            yield self._read(await self._async.get())
+            yield await self._next()
+
+    async def batches(self):
+        """asyncio readers: every delta queued by the time the reader asks, as a list (a
+        reader that fell behind catches up in one go); ends after the last one."""
+        if self._async is None:
+            raise TypeError("this stream was opened for blocking reads; use `for`")
+        while not self.ended:
+            yield [await self._next()] + self.take_ready()
 
     def result(self) -> RequestOutput:
         if self.output is not None:
@@ -120,16 +147,17 @@ class RequestStream:
         return self.output
 
 
-def deliver(items: list[tuple[RequestStream, StreamDelta | BaseException]]) -> None:
-    """Put each item in its stream: blocking readers at once, asyncio readers with one
-    call into each event loop for the whole list (any thread)."""
+def deliver(items: list[tuple]) -> None:
+    """Put each (sink, item) in its sink: asyncio RequestStreams with one call into each
+    event loop for the whole list, any other sink (a blocking reader's stream, an engine
+    actor's Outbox) by its own `put` (any thread)."""
     by_loop: dict = defaultdict(list)
     for stream, item in items:
-        if stream._sync is not None:
+        if getattr(stream, "_async", None) is None:
             stream.put(item)
         else:
             stream._mark(item)
-            by_loop[stream._loop].append((stream._async, item))
+            by_loop[stream._loop].append((stream, item))
     for loop, pairs in by_loop.items():
         try:
             loop.call_soon_threadsafe(_put_all, pairs)
@@ -138,5 +166,5 @@ def deliver(items: list[tuple[RequestStream, StreamDelta | BaseException]]) -> N
 
 
 def _put_all(pairs) -> None:
-    for q, item in pairs:
-        q.put_nowait(item)
+    for stream, item in pairs:
+        stream._push(item)

@@ -199,6 +199,37 @@ def test_deliver_wakes_each_event_loop_once_for_many_streams():
     asyncio.run(main())
 
 
+def test_batches_hand_a_reader_everything_queued_in_order_and_end_after_the_last():
+    async def main():
+        loop = asyncio.get_running_loop()
+        s = RequestStream("r", loop)
+        got = []
+        reader = asyncio.ensure_future(_collect(s.batches(), got))
+        await asyncio.sleep(0)  # the reader waits for the first delta
+        deliver([(s, StreamDelta("r", "a", [1]))])
+        await asyncio.sleep(0.01)
+        deliver([(s, StreamDelta("r", t, [i])) for i, t in enumerate("bcd", 2)]
+                + [(s, StreamDelta("r", "e", [5], None, "stop", _output("r", "stop", "abcde")))])
+        await asyncio.wait_for(reader, 5)
+        assert [[d.text for d in b] for b in got] == [["a"], ["b", "c", "d", "e"]]
+        assert s.ended and s.output.text == "abcde"
+        failing = RequestStream("f", loop)
+        threading.Thread(target=failing.fail, args=(EngineDeadError("lost the engine"),)).start()
+        with pytest.raises(EngineDeadError):
+            async for _ in failing.batches():
+                pass
+        with pytest.raises(TypeError):
+            async for _ in RequestStream("sync").batches():
+                pass
+
+    asyncio.run(main())
+
+
+async def _collect(batches, into: list) -> None:
+    async for b in batches:
+        into.append(b)
+
+
 def test_a_grammar_crosses_as_plain_fields_and_comes_back_a_grammar_spec():
     from scheduler.grammar_spec import GrammarSpec
 

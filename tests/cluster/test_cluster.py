@@ -113,6 +113,40 @@ def test_stream_chinese_deltas_never_split_a_character(ray_session, tiny):
     assert sum(d.text.count("\ufffd") for d in deltas) == whole.count("\ufffd")
 
 
+def test_concurrent_streams_get_each_step_with_one_wake_up_of_their_loop(ray_session, tiny):
+    """Eight asyncio streams on one loop: every step's deltas for all of them arrive in one
+    hand-over to the loop (not one per delta), in order, and equal what generate gives."""
+    import asyncio
+
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = PROMPTS + ["one more"]
+    with cluster.launch(num_kv_blocks=128, threads_per_worker=1) as llm:
+        expected = llm.generate(prompts, params)
+
+        async def run():
+            loop = asyncio.get_running_loop()
+            calls = []
+            real = loop.call_soon_threadsafe
+            loop.call_soon_threadsafe = lambda *a: (calls.append(a), real(*a))[1]
+            steps0 = llm.stats()["steps_returned"]
+
+            async def one(p):
+                deltas = [d async for d in llm.astream(p, params)]
+                return deltas
+
+            got = await asyncio.gather(*[one(p) for p in prompts])
+            del loop.call_soon_threadsafe
+            return got, len(calls), llm.stats()["steps_returned"] - steps0
+
+        got, wakeups, steps = asyncio.run(run())
+    deliveries = sum(len(d) for d in got)
+    assert steps > 0 and wakeups <= steps < deliveries
+    for deltas, want in zip(got, expected):
+        assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+        assert sum((d.token_ids for d in deltas), []) == want.token_ids
+        assert "".join(d.text for d in deltas) == want.text == deltas[-1].output.text
+
+
 @pytest.mark.parametrize("env", [None, "1", "0"])
 def test_bytes_pulled_per_decode_step(ray_session, tiny, monkeypatch, env):
     if env is None:
