@@ -100,7 +100,8 @@ def resolve_api_key(flag: str | None) -> str | None:
 def cmd_serve(a: argparse.Namespace) -> int:
     import cluster
 
-    cfg = cluster.EngineConfig.from_kwargs(**_engine_kwargs(a), reserved_cpus=a.reserved_cpus)
+    cfg = cluster.EngineConfig.from_kwargs(**_engine_kwargs(a), reserved_cpus=a.reserved_cpus,
+                                           prepare_structured_output=not a.lazy_structured_output)
     check_gil_switch_interval_ms(a.gil_switch_interval_ms)
     api_key = resolve_api_key(a.api_key)
     model_names = [a.served_model_name or served_model_name(a.model)]
@@ -241,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--disable-access-log", action="store_true",
                    help="no log line per HTTP request (as vLLM's --disable-uvicorn-access-log; ~5%% of the "
                         "server's CPU under a burst of short requests)")
+    s.add_argument("--lazy-structured-output", action="store_true",
+                   help="load the tokenizer and xgrammar into a worker with its first grammar request, not "
+                        "while it starts (that request's step then holds the replica's others ~1.5-2 s)")
     s.add_argument("--generation-config", choices=GENERATION_CONFIG_MODES, default=None,
                    help="'auto' (the default): requests that leave temperature, top_p, top_k, min_p, "
                         "the penalties or max_tokens out get the model's generation_config.json values, "

@@ -59,6 +59,7 @@ class WorkerActor:
             "hostname": socket.gethostname(),
             "tensor_parallel_rank": self.parallel.rank,
             "structured_output": xgrammar_installed(),
+            "structured_output_ready": self.runner.grammars.cache is not None,  # prepared at start
         }
 
     @ray.method(enable_task_events=False)  # once per step: no task event to the GCS for each one

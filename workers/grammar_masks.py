@@ -20,12 +20,13 @@ ban left nothing the grammar allows), its request is no longer constrained.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
 from scheduler.protocol import USE_RESIDENT
-from workers.grammar import GrammarCompilerCache
+from workers.grammar import GrammarCompilerCache, xgrammar_installed
 from workers.loader import eos_token_ids, load_tokenizer
 from workers.slot_table import RowWork
 
@@ -85,6 +86,21 @@ class GrammarMasks:
             bitmask = self.cache.xgr.allocate_token_bitmask(self.max_num_seqs, self.vocab_size)
             self._bitmask = bitmask.pin_memory() if self.device.type != "cpu" else bitmask
         return self.cache
+
+    def prepare(self) -> bool:
+        """Build the compiler now (the tokenizer, xgrammar, its TokenizerInfo), not in the step of
+        the first request with a grammar; whether it is ready. Nothing to do without a tokenizer or
+        without xgrammar; a failure is logged and left to that first request to report."""
+        if self.checkpoint is None or not xgrammar_installed():
+            return False
+        t0 = time.perf_counter()
+        try:
+            self._compiler()
+        except Exception as e:  # e.g. a tokenizer xgrammar cannot read: the first grammar says so
+            log.warning("structured output not prepared at start: %s: %s", type(e).__name__, e)
+            return False
+        log.info("structured output prepared in %.2f s", time.perf_counter() - t0)
+        return True
 
     def check_new(self, new_requests) -> None:
         """Compile (or find cached) each arriving request's grammar: a ValueError here comes

@@ -142,6 +142,8 @@ class ModelRunner:
         checkpoint = None if is_random_spec(config.model) else (config.model or bundled_model_path())
         self.grammars = GrammarMasks(max_num_seqs=config.max_num_seqs, vocab_size=mc.vocab_size,
                                      device=self.device, checkpoint=checkpoint)  # rank 0 samples: only it masks
+        if config.prepare_structured_output and parallel.rank == 0:  # only rank 0 masks
+            self.grammars.prepare()
         self.num_steps = 0
         self.num_tokens = 0
         self.graphs: DecodeGraphs | None = None

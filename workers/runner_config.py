@@ -71,4 +71,6 @@ class RunnerConfig:
     prefill_thread_tokens: int = 256
     ops: str | None = None  # op table: "reference" | "cpu" | "cuda" | "npu"; None -> RAYLM_OPS or the device's own
     enforce_eager: bool = False  # True: no decode graphs on accelerators (workers/graphs.py)
+    # load the tokenizer and xgrammar at start (where installed), not in the first grammar's step
+    prepare_structured_output: bool = False
     graph_sizes: tuple[int, ...] | None = None  # decode graph buckets; None -> powers of two up to max_num_seqs

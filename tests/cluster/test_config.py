@@ -20,7 +20,7 @@ from workers.runner_config import ENV_DEVICE_OUTPUTS, RunnerConfig
     ("prefill_threads_per_worker", 0),
     ("accelerator_resource", ""), ("step_timeout_s", 0), ("step_timeout_s", float("inf")),
     ("max_worker_restarts", -1), ("max_waiting_requests", 0), ("start_timeout_s", -1.0), ("model", ""),
-    ("enforce_eager", 1), ("generation_config", "vllm"),
+    ("enforce_eager", 1), ("generation_config", "vllm"), ("prepare_structured_output", "yes"),
     ("graph_sizes", []), ("graph_sizes", [0, 4]), ("graph_sizes", [65]), ("graph_sizes", 8),
 ])
 def test_bad_values_raise_naming_the_field_and_the_value(field, value):
@@ -49,11 +49,13 @@ def test_every_runner_and_scheduler_setting_comes_from_the_engine_config(monkeyp
     monkeypatch.delenv(ENV_DEVICE_OUTPUTS, raising=False)
     cfg = EngineConfig(device="cpu", dtype="bf16", block_size=8, num_kv_blocks=40, memory_fraction=0.5,
                        max_num_seqs=7, max_num_batched_tokens=99, max_model_len=300, enable_prefix_caching=False,
-                       seed=5, device_outputs=False, enforce_eager=True, graph_sizes=[4, 1, 4])
+                       seed=5, device_outputs=False, enforce_eager=True, graph_sizes=[4, 1, 4],
+                       prepare_structured_output=True)
     rc = cfg.runner_config(2, model_path="/m", num_threads=3)
     assert rc == RunnerConfig(model="/m", device="cpu", dtype="bfloat16", block_size=8, num_kv_blocks=40,
                               memory_fraction=0.5, max_num_seqs=7, max_num_batched_tokens=99, max_model_len=300,
-                              device_outputs=False, seed=7, num_threads=3, enforce_eager=True, graph_sizes=(1, 4))
+                              device_outputs=False, seed=7, num_threads=3, enforce_eager=True, graph_sizes=(1, 4),
+                              prepare_structured_output=True)
     sc = cfg.scheduler_config(num_blocks=40, max_model_len=300)
     assert sc == SchedulerConfig(num_blocks=40, block_size=8, max_num_seqs=7, max_num_batched_tokens=99,
                                  max_model_len=300, enable_prefix_caching=False)

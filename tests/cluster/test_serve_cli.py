@@ -12,6 +12,7 @@ import pytest
 import cluster
 from cluster.cli import build_parser
 from tests.cluster.conftest import log_tail, start_raylm_serve, wait_healthy
+from workers.grammar import xgrammar_available
 
 pytestmark = pytest.mark.ray
 
@@ -99,6 +100,8 @@ def test_raylm_serve_process_joins_ray_serves_and_cleans_up(ray_session, tmp_pat
         other = cluster.connect("cli-engine")  # another frontend, over the channel, beside the HTTP one
         assert other.generate("Hello", cluster.SamplingParams(max_tokens=5, temperature=0)).text == r.choices[0].text
         assert other._engine.info["gil_switch_interval_ms"] == pytest.approx(2.5)  # the engine process's own
+        # raylm serve loads the tokenizer and xgrammar into its workers while they start
+        assert other.stats()["replicas"][0]["info"]["structured_output_ready"] is xgrammar_available()
         other.shutdown()
         assert "loaded; serving on" in log_tail(log) and "POST /v1/completions" not in log_tail(log)  # no access log
     finally:

@@ -14,7 +14,7 @@ from scheduler.grammar_spec import GrammarSpec
 from scheduler.protocol import WorkerSampling
 from tests.plans import PlanDriver
 from workers.grammar import xgrammar_available
-from workers.grammar_masks import apply_bitmask
+from workers.grammar_masks import GrammarMasks, apply_bitmask
 from workers.loader import bundled_model_path, eos_token_ids, load_tokenizer
 from workers.runner import ModelRunner
 from workers.runner_config import RunnerConfig
@@ -152,3 +152,18 @@ def test_a_bad_grammar_is_refused_before_the_plan_changes_anything(tok):
     with pytest.raises(ValueError, match="slot 0: invalid json_schema grammar: .*strin"):
         runner.execute(driver.plan())
     assert len(runner.slots) == 0
+
+
+def test_prepare_at_start_builds_the_compiler_before_any_grammar_arrives(tok):
+    lazy = _runner()
+    assert lazy.grammars.cache is None  # built by the first request with a grammar
+    runner = _runner(prepare_structured_output=True)
+    cache = runner.grammars.cache
+    assert cache is not None and cache.num_compiled == 0
+    driver = PlanDriver(runner)
+    prompt = _prompt(tok, "Tell me about Paris.")
+    driver.add(prompt, _schema_sampling(prompt))
+    driver.step()
+    assert runner.grammars.cache is cache and cache.num_compiled == 1  # the one built at start serves it
+    no_tokenizer = GrammarMasks(max_num_seqs=1, vocab_size=64, device=torch.device("cpu"), checkpoint=None)
+    assert no_tokenizer.prepare() is False and no_tokenizer.cache is None  # a grammar request then says why
