@@ -15,6 +15,8 @@ from cluster.handle import LLMHandle
 from cluster.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamDelta, TokenLogprob
 from scheduler.request import SamplingParams
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "launch", "connect", "LLMHandle", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
     "StreamDelta", "TokenLogprob", "RequestMetrics", "EngineOverloadedError", "EngineDeadError",
@@ -37,15 +39,59 @@ def ensure_ray(address: str | None = None) -> bool:
     opts = dict(include_dashboard=False, logging_level=logging.WARNING)
     if address == "local":  # a new single-node Ray of our own, whatever else runs here
         os.environ.setdefault("RAY_worker_niceness", "0")
+    if address not in (None, "local"):
+        _check_reachable(address)
     if address is not None:
         ray.init(address=address, **opts)
         return True
     try:
+        _check_reachable("auto")
         ray.init(address="auto", **opts)
-    except ConnectionError:
+    except ConnectionError as e:
+        if "does not answer" in str(e):
+            log.warning("%s; starting a Ray of this process's own instead", e)
         os.environ.setdefault("RAY_worker_niceness", "0")  # read by the raylet this starts
-        ray.init(**opts)
+        ray.init(address="local", **opts)  # not None: that would read the stale address file again
     return True
+
+
+PROBE_TIMEOUT_S = 3.0
+
+
+def _check_reachable(address: str) -> None:
+    """ConnectionError, naming the address and where it came from, when the Ray that
+    `address` ("auto": RAY_ADDRESS or the address file of the last `ray start`) points to
+    does not accept a TCP connection: ray.init would retry it for minutes (a cluster that
+    stopped without `ray stop` leaves its address file behind). Nothing found for "auto"
+    is left to ray.init (it says so); Ray Client addresses are not probed."""
+    import os
+    import socket
+
+    source = "the address given"
+    if address == "auto":
+        try:
+            from ray._private.services import get_ray_address_from_environment
+            from ray._private.utils import get_ray_address_file
+
+            resolved = get_ray_address_from_environment("auto", None)
+        except ConnectionError:
+            return  # no Ray found: ray.init raises its own ConnectionError
+        except Exception:  # Ray's private helpers moved: let ray.init find it
+            return
+        source = ("RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else
+                  f"{get_ray_address_file(None)}, written by the last `ray start`")
+        address = resolved
+    if not isinstance(address, str) or "://" in address or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S).close()
+    except OSError as e:
+        raise ConnectionError(f"the Ray cluster at {address} (from {source}) does not answer ({e}); start it "
+                              f"(`ray start --head`), point RAY_ADDRESS or --address elsewhere, or use "
+                              f"--address local") from None
 
 
 def launch(model: str | None = None, device: str = "cpu", num_replicas: int = 1, **config) -> LLMHandle:

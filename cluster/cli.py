@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return a.func(a)
-    except ValueError as e:  # bad input: say what, no traceback
+    except (ValueError, ConnectionError) as e:  # bad input, no Ray at the address: say what, no traceback
         print(f"raylm: error: {e}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,60 @@
+"""A Ray address that points nowhere (a cluster that stopped without `ray stop` leaves its
+address file; a stale RAY_ADDRESS) is a prompt, clear error, not minutes of ray.init retries."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cluster import _check_reachable
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:  # bound and closed again: nothing listens there now
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_address_nothing_answers_at_is_refused_naming_it_and_its_source(monkeypatch):
+    port = _closed_port()
+    with pytest.raises(ConnectionError, match=f"127.0.0.1:{port} \\(from the address given\\) does not answer"):
+        _check_reachable(f"127.0.0.1:{port}")
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    with pytest.raises(ConnectionError, match=f"{port} \\(from RAY_ADDRESS\\) does not answer.*address local"):
+        _check_reachable("auto")
+
+
+def test_a_listening_address_and_ray_client_addresses_pass():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        _check_reachable(f"127.0.0.1:{s.getsockname()[1]}")
+    _check_reachable(f"ray://127.0.0.1:{_closed_port()}")  # Ray Client: ray.init connects and reports
+
+
+def test_raylm_serve_at_a_dead_address_exits_2_at_once_with_the_reason():
+    port = _closed_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--address", f"127.0.0.1:{port}"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"raylm: error: the Ray cluster at 127.0.0.1:{port} (from the address given) does not answer" in proc.stderr
+    assert time.monotonic() - t0 < 60  # ray.init alone retries such an address for minutes
+
+
+@pytest.mark.ray
+def test_with_no_address_a_stale_one_is_skipped_for_a_ray_of_our_own():
+    """cluster.launch()'s way in (no address): a stale RAY_ADDRESS is reported and a local Ray started."""
+    code = ("import cluster, ray; assert cluster.ensure_ray(); "
+            "print('nodes', len(ray.nodes())); ray.shutdown()")
+    env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{_closed_port()}"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "nodes 1" in proc.stdout
+    assert "does not answer" in proc.stderr and "starting a Ray of this process's own" in proc.stderr
