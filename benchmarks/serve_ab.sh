@@ -4,22 +4,24 @@
 # per-round ratio A/B and its median. The machine's speed drifts by tens of percent within minutes,
 # which one run of each, minutes apart, measures more than the flags.
 # Usage: ARGS_A="" ARGS_B="--gil-switch-interval-ms 5" benchmarks/serve_ab.sh   (needs make venv, make peers)
+# Two builds: TREE_B=/tmp/base benchmarks/serve_ab.sh (an absolute path) serves B from that checkout's own .venv (e.g.
+# `git worktree add /tmp/base HEAD~1 && make -C /tmp/base venv`; each venv imports its own tree).
 set -euo pipefail
 # shellcheck source=benchmarks/serve_common.sh
 source "$(dirname "$0")/serve_common.sh"
 ROUNDS=${ROUNDS:-6}
 LOG=${LOG_DIR:-/tmp/raylm-serve-ab}
 mkdir -p "$LOG"
-start() {  # port args
+start() {  # port args tree
   # shellcheck disable=SC2086
-  .venv/bin/raylm serve --dtype float32 --max-num-seqs 64 --served-model-name "$NAME" --port "$1" \
+  "$3/.venv/bin/raylm" serve --dtype float32 --max-num-seqs 64 --served-model-name "$NAME" --port "$1" \
     --name "ab-$1" --address local $2 >"$LOG/serve-$1.log" 2>&1 &
   PIDS+=($!)
 }
 PIDS=()
 trap 'kill -INT "${PIDS[@]}" 2>/dev/null || true' EXIT
-start 8341 "${ARGS_A:-}"
-start 8342 "${ARGS_B:-}"
+start 8341 "${ARGS_A:-}" "${TREE_A:-.}"
+start 8342 "${ARGS_B:-}" "${TREE_B:-.}"
 wait_healthy 8341 "${PIDS[0]}"
 wait_healthy 8342 "${PIDS[1]}"
 load() {  # port seed -> output tok/s
@@ -30,6 +32,6 @@ RATIOS=()
 for r in $(seq 1 "$ROUNDS"); do
   if [ $((r % 2)) = 1 ]; then a=$(load 8341 0); b=$(load 8342 0); else b=$(load 8342 0); a=$(load 8341 0); fi
   RATIOS+=("$(python3 -c "print(f'{$a / $b:.2f}')")")
-  echo "round $r: A ${ARGS_A:-(defaults)} $a, B ${ARGS_B:-(defaults)} $b out tok/s: A/B ${RATIOS[-1]}"
+  echo "round $r: A ${TREE_A:-.} ${ARGS_A:-(defaults)} $a, B ${TREE_B:-.} ${ARGS_B:-(defaults)} $b out tok/s: A/B ${RATIOS[-1]}"
 done
 python3 -c "import statistics, sys; print(f'A/B median over {len(sys.argv) - 1} rounds: {statistics.median(map(float, sys.argv[1:])):.2f}x')" "${RATIOS[@]}"
