@@ -87,7 +87,7 @@ def _check_reachable(address: str) -> None:
     if not port.isdigit():
         return
     try:
-        socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S).close()
+        socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S).close()  # "[::1]:6379"
     except OSError as e:
         raise ConnectionError(f"the Ray cluster at {address} (from {source}) does not answer ({e}); start it "
                               f"(`ray start --head`), point RAY_ADDRESS or --address elsewhere, or use "

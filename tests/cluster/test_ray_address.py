@@ -35,6 +35,13 @@ def test_a_listening_address_and_ray_client_addresses_pass():
         s.listen()
         _check_reachable(f"127.0.0.1:{s.getsockname()[1]}")
     _check_reachable(f"ray://127.0.0.1:{_closed_port()}")  # Ray Client: ray.init connects and reports
+    if socket.has_ipv6:
+        try:
+            s6 = socket.create_server(("::1", 0), family=socket.AF_INET6)
+        except OSError:  # no IPv6 loopback here
+            return
+        with s6:
+            _check_reachable(f"[::1]:{s6.getsockname()[1]}")
 
 
 def test_raylm_serve_at_a_dead_address_exits_2_at_once_with_the_reason():
