@@ -48,7 +48,7 @@ def ensure_ray(address: str | None = None) -> bool:
         _check_reachable("auto")
         ray.init(address="auto", **opts)
     except ConnectionError as e:
-        if "does not answer" in str(e):
+        if isinstance(e, RayUnreachableError):
             log.warning("%s; starting a Ray of this process's own instead", e)
         os.environ.setdefault("RAY_worker_niceness", "0")  # read by the raylet this starts
         ray.init(address="local", **opts)  # not None: that would read the stale address file again
@@ -56,6 +56,10 @@ def ensure_ray(address: str | None = None) -> bool:
 
 
 PROBE_TIMEOUT_S = 3.0
+
+
+class RayUnreachableError(ConnectionError):
+    """A Ray address (given, or found for "auto") where nothing accepts a connection."""
 
 
 def _check_reachable(address: str) -> None:
@@ -89,7 +93,7 @@ def _check_reachable(address: str) -> None:
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S).close()  # "[::1]:6379"
     except OSError as e:
-        raise ConnectionError(f"the Ray cluster at {address} (from {source}) does not answer ({e}); start it "
+        raise RayUnreachableError(f"the Ray cluster at {address} (from {source}) does not answer ({e}); start it "
                               f"(`ray start --head`), point RAY_ADDRESS or --address elsewhere, or use "
                               f"--address local") from None
 

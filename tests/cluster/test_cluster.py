@@ -131,8 +131,7 @@ def test_concurrent_streams_get_each_step_with_one_wake_up_of_their_loop(ray_ses
             steps0 = llm.stats()["steps_returned"]
 
             async def one(p):
-                deltas = [d async for d in llm.astream(p, params)]
-                return deltas
+                return [d async for d in llm.astream(p, params)]
 
             got = await asyncio.gather(*[one(p) for p in prompts])
             del loop.call_soon_threadsafe
