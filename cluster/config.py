@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, fields
 from scheduler.checks import check_bool, check_fraction, check_int, check_positive, is_int, is_number
 from scheduler.scheduler_config import SchedulerConfig
 from workers.block_sizes import check_npu_block_size, default_block_size
-from workers.runner_config import DEVICE_KINDS, RunnerConfig, canonical_dtype, device_outputs_enabled
+from workers.runner_config import DEVICE_KINDS, STEP_CHANNELS, RunnerConfig, canonical_dtype, device_outputs_enabled
 
 GENERATION_CONFIG_MODES = ("auto", "none")
 # the engine actor's sys.setswitchinterval, in ms (cluster/engine_actor.py says why); None: Python's 5 ms
@@ -74,6 +74,12 @@ class EngineConfig:
     starts (~1.5 s on a 2-core host), where xgrammar is installed and the model has a
     tokenizer, instead of in the step of the first request with a grammar, which held every
     request of the replica meanwhile. `raylm serve` turns it on; off by default here.
+    `step_channel` is how each step reaches a worker: "socket" over a TCP connection to the
+    worker (workers/step_channel.py: one frame each way, ~10x less CPU per step than a Ray
+    call at either end), "ray" as one actor call per step; "auto" picks "socket" on the CPU
+    and "ray" on accelerators (the socket path runs steps on a thread of the worker, not
+    yet verified on CUDA or NPU devices). Workers on other nodes must accept connections
+    on an ephemeral port from the driver's node, as Ray's own worker ports do.
     """
 
     model: str | None = None
@@ -107,6 +113,7 @@ class EngineConfig:
     graph_sizes: list[int] | None = None
     generation_config: str = "auto"
     prepare_structured_output: bool = False
+    step_channel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -153,6 +160,8 @@ class EngineConfig:
         check_positive("start_timeout_s", self.start_timeout_s)
         check_bool("enforce_eager", self.enforce_eager)
         check_bool("prepare_structured_output", self.prepare_structured_output)
+        if self.step_channel not in ("auto", *STEP_CHANNELS):
+            raise ValueError(f"step_channel must be one of auto, {', '.join(STEP_CHANNELS)}; got {self.step_channel!r}")
         if self.generation_config not in GENERATION_CONFIG_MODES:
             raise ValueError(f"generation_config must be one of {GENERATION_CONFIG_MODES}, "
                              f"got {self.generation_config!r}")
@@ -190,8 +199,15 @@ class EngineConfig:
             seed=self.seed + replica_index, num_threads=num_threads if self.device == "cpu" else None,
             prefill_threads=prefill_threads if self.device == "cpu" else None,
             enforce_eager=self.enforce_eager, graph_sizes=None if self.graph_sizes is None else tuple(self.graph_sizes),
-            prepare_structured_output=self.prepare_structured_output,
+            prepare_structured_output=self.prepare_structured_output, step_channel=self.resolved_step_channel,
         )
+
+    @property
+    def resolved_step_channel(self) -> str:
+        """"socket" or "ray": what `step_channel` "auto" means on this device."""
+        if self.step_channel != "auto":
+            return self.step_channel
+        return "socket" if self.device == "cpu" else "ray"
 
     def scheduler_config(self, *, num_blocks: int, max_model_len: int) -> SchedulerConfig:
         """A replica's scheduling limits, given what its worker reported at start: the KV

@@ -5,6 +5,10 @@ first); every rank gets the same plan bytes each step, only rank 0's result is p
 and a rank that dies, raises or hangs takes the whole group down: it is rebuilt, and its
 requests recomputed, exactly as a single worker is.
 
+Steps travel over each rank's step channel (workers/step_channel.py: one TCP frame each
+way, no Ray call) where the worker reported one at start, else as `execute` actor calls;
+either way a dead, failing or hung rank surfaces from `_collect`, never from `_dispatch`.
+
 The loop runs on its own thread. It keeps up to `pipeline_depth` steps in flight: plan
 N+1 is sent before result N is back, its decode rows taking the worker's resident
 tokens, so the worker never waits on the driver. An idle replica blocks on an Event (no
@@ -48,10 +52,13 @@ from scheduler.request import FinishReason, Request, RequestUpdate
 from scheduler.scheduler import Scheduler
 from workers.actor import remote_worker
 from workers.runner_config import RunnerConfig
+from workers.step_channel import StepChannelError, StepClient, StepTimeout, WorkerStepError, collect
 
 log = logging.getLogger(__name__)
 
 _INLINE_PLAN_BYTES = 64 * 1024  # TP: larger plans go to the object store once for all ranks
+# what a failed step raises from _collect: the worker died, raised, or hung past the step timeout
+STEP_FAILURES = (RayActorError, RayTaskError, GetTimeoutError, StepChannelError, StepTimeout, WorkerStepError)
 
 
 @dataclass
@@ -83,6 +90,7 @@ class Replica:
         self._stopped = threading.Event()  # interrupts backoff and cool-down waits
         self.health_state = ReplicaHealth(index, config)
         self.workers: list = []  # rank 0 first; empty while (re)starting
+        self.channels: list[StepClient] = []  # one per rank when the workers serve a step channel
         self.info: dict = {}
         self.scheduler: Scheduler | None = None
         self.stats = ReplicaStats()
@@ -131,7 +139,12 @@ class Replica:
         self.workers = workers  # set before start: a failed start is killed by _kill_worker
         config = dataclasses.asdict(self._runner_config)  # a plain dict crosses to the actor
         infos = ray.get([w.start.remote(config, p) for w, p in zip(workers, parallel)], timeout=cfg.start_timeout_s)
+        channels = [i.pop("step_channel", None) for i in infos]  # its token stays out of stats
+        if all(channels):  # appended one by one: a failed connect leaves the others for _kill_worker
+            for c in channels:
+                self.channels.append(StepClient(c["host"], c["port"], c["token"], timeout=cfg.start_timeout_s))
         info = dict(infos[0])
+        info["step_channel"] = "socket" if self.channels else "ray"
         info["ranks"] = [{k: i[k] for k in ("pid", "node_id", "visible_devices")} for i in infos]
         return info
 
@@ -146,6 +159,9 @@ class Replica:
         release(self._pg)
 
     def _kill_worker(self) -> None:
+        channels, self.channels = self.channels, []
+        for c in channels:
+            c.close()
         workers, self.workers = self.workers, []
         for w in workers:  # every rank: the survivors may be waiting in a collective
             try:
@@ -192,13 +208,16 @@ class Replica:
             if self.health_state.state == "down":
                 self._rejoin_after_cooldown()
                 continue
+            planned = []
             with self._lock:
                 self._drain_inbox()
-                while len(inflight) < self._depth and not self.dead:
+                while len(inflight) + len(planned) < self._depth and not self.dead:
                     plan = self.scheduler.schedule()
                     if plan is None:
                         break
-                    inflight.append((plan, self._dispatch(plan.to_bytes())))
+                    planned.append(plan)
+            for plan in planned:  # unlocked: a plan bigger than the socket's buffer waits for the worker to read it
+                inflight.append((plan, self._dispatch(plan.to_bytes())))
             if not inflight:
                 self._wakeup.wait()
                 self._wakeup.clear()
@@ -206,7 +225,7 @@ class Replica:
             plan, refs = inflight.popleft()
             try:
                 data = self._collect(refs)
-            except (RayActorError, RayTaskError, GetTimeoutError) as e:
+            except STEP_FAILURES as e:
                 inflight.clear()
                 self._recover(e)
                 continue
@@ -215,16 +234,28 @@ class Replica:
             if updates:
                 self._emit(self, updates)  # no lock held: the engine may post_finish right back
 
-    def _dispatch(self, data: bytes) -> list:
-        """Send one plan's bytes (serialized once) to every rank; one ref per rank."""
+    def _dispatch(self, data: bytes):
+        """Send one plan's bytes (serialized once) to every rank: the channels, or one ref per
+        rank. A send that fails returns its error, for _collect to raise in step order."""
+        if self.channels:
+            try:
+                for c in self.channels:
+                    c.send(data, self.config.step_timeout_s)
+            except (StepChannelError, StepTimeout) as e:
+                return e
+            return self.channels
         if len(self.workers) > 1 and len(data) > _INLINE_PLAN_BYTES:
             data = ray.put(data)  # a large plan enters the object store once, not once per rank
         return [w.execute.remote(data) for w in self.workers]
 
-    def _collect(self, refs: list) -> bytes:
+    def _collect(self, refs) -> bytes:
         """Rank 0's result once every rank finished the step; a rank that failed raises, one
-        that is still running past the step timeout raises GetTimeoutError."""
+        that is still running past the step timeout raises GetTimeoutError (StepTimeout)."""
         timeout = self.config.step_timeout_s
+        if isinstance(refs, BaseException):
+            raise refs
+        if refs is self.channels:
+            return collect(refs, timeout)
         if len(refs) == 1:
             return ray.get(refs[0], timeout=timeout)
         deadline = time.monotonic() + timeout

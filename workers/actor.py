@@ -7,7 +7,12 @@ fault-injecting worker lives under tests/); production code has no fault hooks.
 
 Under tensor parallelism a replica's ranks are actors like this one: the driver asks rank 0
 for a rendezvous address, then starts every rank with its ParallelConfig; each step every
-rank gets the same plan bytes and only rank 0 returns a result (the others return b"")."""
+rank gets the same plan bytes and only rank 0 returns a result (the others return b"").
+
+Steps arrive one of two ways (RunnerConfig.step_channel): as `execute` actor calls, or
+over the worker's step channel (workers/step_channel.py), a TCP connection the replica
+opens to the address `start` reports; there a thread of the actor runs `execute` per plan
+frame, and the actor's own Ray methods (stats, shutdown) stay free."""
 
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from workers.grammar import xgrammar_installed
 from workers.parallel import SINGLE, ParallelConfig, TensorParallel, free_port
 from workers.runner import ModelRunner
 from workers.runner_config import RunnerConfig
+from workers.step_channel import StepServer
 
 
 class WorkerActor:
@@ -32,6 +38,7 @@ class WorkerActor:
     def __init__(self) -> None:
         self.runner: ModelRunner | None = None
         self.parallel: TensorParallel = SINGLE
+        self.channel: StepServer | None = None
 
     def rendezvous(self) -> tuple[str, int]:
         """(address, free port) where this actor, as rank 0, will host its group's rendezvous."""
@@ -46,7 +53,7 @@ class WorkerActor:
         self.runner = ModelRunner(cfg, parallel=self.parallel)
         self.runner.warmup()
         env = visible_devices_env(cfg.device)
-        return {
+        info = {
             "num_kv_blocks": self.runner.num_kv_blocks,
             "vocab_size": self.runner.vocab_size,
             "max_model_len": self.runner.max_model_len,
@@ -61,6 +68,11 @@ class WorkerActor:
             "structured_output": xgrammar_installed(),
             "structured_output_ready": self.runner.grammars.cache is not None,  # prepared at start
         }
+        if cfg.step_channel == "socket":
+            self.channel = StepServer(self.execute, ray.util.get_node_ip_address(),
+                                      on_thread_start=self.runner.bind_thread)
+            info["step_channel"] = self.channel.describe()
+        return info
 
     @ray.method(enable_task_events=False)  # once per step: no task event to the GCS for each one
     def execute(self, plan_bytes: bytes) -> bytes:  # StepPlan bytes -> StepResult bytes
@@ -71,6 +83,9 @@ class WorkerActor:
         return self.runner.stats() if self.runner is not None else {}
 
     def shutdown(self) -> None:
+        if self.channel is not None:  # first: no step may run on a closed runner
+            self.channel.close()
+            self.channel = None
         if self.runner is not None:
             self.runner.close()
             self.runner = None

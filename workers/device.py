@@ -90,6 +90,14 @@ def synchronize(device: torch.device) -> None:
         _backend(device).synchronize(device)
 
 
+def bind_device(device: torch.device) -> None:
+    """Make `device` the calling thread's current device (torch keeps it per thread; a no-op
+    on the CPU)."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        _backend(device).set_device(device)
+
+
 def record_event(device: torch.device):
     """An event on `device`'s current stream; its `synchronize()` waits for the work queued
     before it. None on the CPU, where work is done when it returns."""

@@ -22,7 +22,15 @@ import torch
 
 from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, StepResult, WorkerSampling
 from workers.block_sizes import check_npu_block_size
-from workers.device import compute_dtype, default_cpu_blocks, num_kv_blocks, set_cpu_threads, synchronize, torch_device
+from workers.device import (
+    bind_device,
+    compute_dtype,
+    default_cpu_blocks,
+    num_kv_blocks,
+    set_cpu_threads,
+    synchronize,
+    torch_device,
+)
 from workers.grammar_masks import GrammarMasks
 from workers.graphs import DecodeGraphs, check_graph_sizes, default_graph_sizes, graph_device_for
 from workers.kv_cache import KVCache
@@ -181,6 +189,13 @@ class ModelRunner:
             self.num_tokens += plan.num_tokens
         result.step_time = time.perf_counter() - t0
         return result
+
+    def bind_thread(self) -> None:
+        """Ready the calling thread to execute steps (the worker's step channel runs them on
+        a thread of its own): torch's CPU thread count and current device are per thread."""
+        if self.cpu_threads is not None:
+            set_cpu_threads(self.cpu_threads[0])
+        bind_device(self.device)
 
     def _set_step_threads(self, num_tokens: int) -> None:
         """CPU: a big step (a prefill chunk) computes with prefill_threads, others with

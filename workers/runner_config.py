@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from scheduler.checks import check_bool
 
 DEVICE_KINDS = ("cpu", "cuda", "npu")
+STEP_CHANNELS = ("socket", "ray")  # how a worker gets its steps (workers/step_channel.py)
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 ENV_DEVICE_OUTPUTS = "RAYLM_DEVICE_OUTPUTS"
@@ -73,4 +74,5 @@ class RunnerConfig:
     enforce_eager: bool = False  # True: no decode graphs on accelerators (workers/graphs.py)
     # load the tokenizer and xgrammar at start (where installed), not in the first grammar's step
     prepare_structured_output: bool = False
+    step_channel: str = "ray"  # "socket": steps over the worker's StepServer; "ray": one actor call each
     graph_sizes: tuple[int, ...] | None = None  # decode graph buckets; None -> powers of two up to max_num_seqs

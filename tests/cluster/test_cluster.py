@@ -99,6 +99,23 @@ def test_pipelining_on_and_off_give_identical_outputs(ray_session, tiny):
     assert seeded1 == seeded2
 
 
+def test_steps_over_the_socket_channel_and_as_ray_calls_give_identical_outputs(ray_session, tiny):
+    params = SamplingParams(max_tokens=16, temperature=0)
+    seeded = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=7, logprobs=2)
+    results = {}
+    for channel in ("socket", "ray"):
+        with cluster.launch(step_channel=channel, num_kv_blocks=128, threads_per_worker=1) as llm:
+            info = llm.stats()["replicas"][0]["info"]
+            greedy = [o.token_ids for o in llm.generate(PROMPTS, params)]
+            sampled = llm.generate(PROMPTS[:3], seeded)
+            results[channel] = (info["step_channel"], greedy, [o.token_ids for o in sampled],
+                                [[lp.logprob for lp in o.logprobs] for o in sampled])
+            assert isinstance(info["step_channel"], str)  # the channel's address and secret stay out of stats
+    assert results["socket"][0] == "socket" and results["ray"][0] == "ray"
+    assert results["socket"][1] == _expected(tiny, PROMPTS, max_tokens=16)
+    assert results["socket"][1:] == results["ray"][1:]
+
+
 def test_stream_chinese_deltas_never_split_a_character(ray_session, tiny):
     _, tok, _ = tiny
     with cluster.launch(num_kv_blocks=64, threads_per_worker=1) as llm:

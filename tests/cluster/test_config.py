@@ -21,6 +21,7 @@ from workers.runner_config import ENV_DEVICE_OUTPUTS, RunnerConfig
     ("accelerator_resource", ""), ("step_timeout_s", 0), ("step_timeout_s", float("inf")),
     ("max_worker_restarts", -1), ("max_waiting_requests", 0), ("start_timeout_s", -1.0), ("model", ""),
     ("enforce_eager", 1), ("generation_config", "vllm"), ("prepare_structured_output", "yes"),
+    ("step_channel", "zmq"), ("step_channel", None),
     ("graph_sizes", []), ("graph_sizes", [0, 4]), ("graph_sizes", [65]), ("graph_sizes", 8),
 ])
 def test_bad_values_raise_naming_the_field_and_the_value(field, value):
@@ -50,12 +51,12 @@ def test_every_runner_and_scheduler_setting_comes_from_the_engine_config(monkeyp
     cfg = EngineConfig(device="cpu", dtype="bf16", block_size=8, num_kv_blocks=40, memory_fraction=0.5,
                        max_num_seqs=7, max_num_batched_tokens=99, max_model_len=300, enable_prefix_caching=False,
                        seed=5, device_outputs=False, enforce_eager=True, graph_sizes=[4, 1, 4],
-                       prepare_structured_output=True)
+                       prepare_structured_output=True, step_channel="socket")
     rc = cfg.runner_config(2, model_path="/m", num_threads=3)
     assert rc == RunnerConfig(model="/m", device="cpu", dtype="bfloat16", block_size=8, num_kv_blocks=40,
                               memory_fraction=0.5, max_num_seqs=7, max_num_batched_tokens=99, max_model_len=300,
                               device_outputs=False, seed=7, num_threads=3, enforce_eager=True, graph_sizes=(1, 4),
-                              prepare_structured_output=True)
+                              prepare_structured_output=True, step_channel="socket")
     sc = cfg.scheduler_config(num_blocks=40, max_model_len=300)
     assert sc == SchedulerConfig(num_blocks=40, block_size=8, max_num_seqs=7, max_num_batched_tokens=99,
                                  max_model_len=300, enable_prefix_caching=False)
@@ -75,6 +76,15 @@ def test_device_outputs_is_resolved_from_the_environment_once_at_derivation(monk
 def test_accelerator_workers_get_no_cpu_thread_count():
     assert EngineConfig(device="npu").runner_config(0, model_path="/m", num_threads=4).num_threads is None
     assert EngineConfig(device="cpu").runner_config(0, model_path="/m", num_threads=4).num_threads == 4
+
+
+def test_steps_go_over_the_socket_on_the_cpu_and_as_ray_calls_on_accelerators_unless_set():
+    def channel(**kw):
+        return EngineConfig(**kw).runner_config(0, model_path="/m", num_threads=1).step_channel
+    assert channel() == "socket"
+    assert channel(device="cuda") == channel(device="npu") == "ray"
+    assert channel(step_channel="ray") == "ray"
+    assert channel(device="npu", step_channel="socket") == "socket"
 
 
 def test_host_logits_mode_runs_one_step_at_a_time():

@@ -21,9 +21,15 @@ def expected():
     return hf_greedy_text(PROMPTS, N)
 
 
+# both ways a step reaches a worker: its step channel (the CPU's default) and Ray actor calls
+CHANNELS = pytest.mark.parametrize("channel", ["socket", "ray"])
+
+
+@CHANNELS
 @pytest.mark.parametrize("kind", ["exit", "raise"])
-def test_worker_failing_inside_a_step_recovers_greedy_and_seeded(ray_session, faulty_workers, expected, kind):
-    with cluster.launch(num_kv_blocks=64, threads_per_worker=1) as llm:
+def test_worker_failing_inside_a_step_recovers_greedy_and_seeded(ray_session, faulty_workers, expected, kind, channel):
+    with cluster.launch(num_kv_blocks=64, threads_per_worker=1, step_channel=channel) as llm:
+        assert llm.stats()["replicas"][0]["info"]["step_channel"] == channel
         clean_seeded = [o.token_ids for o in llm.generate(PROMPTS, SEEDED)]
         arm_fault(llm, kind, after_steps=4)
         greedy = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
@@ -35,8 +41,9 @@ def test_worker_failing_inside_a_step_recovers_greedy_and_seeded(ray_session, fa
     assert stats["worker_restarts"] == 2
 
 
-def test_hung_worker_is_detected_by_the_step_timeout(ray_session, faulty_workers, expected):
-    with cluster.launch(num_kv_blocks=64, threads_per_worker=1, step_timeout_s=3.0) as llm:
+@CHANNELS
+def test_hung_worker_is_detected_by_the_step_timeout(ray_session, faulty_workers, expected, channel):
+    with cluster.launch(num_kv_blocks=64, threads_per_worker=1, step_timeout_s=3.0, step_channel=channel) as llm:
         llm.generate("warm", SamplingParams(max_tokens=2))  # compile/warm paths outside the timed window
         arm_fault(llm, "sleep", after_steps=3, seconds=600)
         t0 = time.monotonic()
