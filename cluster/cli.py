@@ -41,7 +41,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graph-sizes", default=None, type=lambda s: [int(x) for x in s.split(",")],
                    help="decode graph batch buckets, e.g. 1,2,4,8 (default: powers of two up to max_num_seqs)")
     p.add_argument("--step-channel", default=None, choices=["auto", "socket", "ray"],
-                   help="how steps reach a worker: 'socket', a TCP connection to it (~10x less CPU per step); "
+                   help="how steps reach a worker: 'socket', a TCP connection to it (~7x less CPU per step); "
                         "'ray', an actor call per step; 'auto' (the default): socket on cpu, ray on cuda/npu")
 
 

@@ -75,7 +75,7 @@ class EngineConfig:
     tokenizer, instead of in the step of the first request with a grammar, which held every
     request of the replica meanwhile. `raylm serve` turns it on; off by default here.
     `step_channel` is how each step reaches a worker: "socket" over a TCP connection to the
-    worker (workers/step_channel.py: one frame each way, ~10x less CPU per step than a Ray
+    worker (workers/step_channel.py: one frame each way, ~7x less CPU per step than a Ray
     call at either end), "ray" as one actor call per step; "auto" picks "socket" on the CPU
     and "ray" on accelerators (the socket path runs steps on a thread of the worker, not
     yet verified on CUDA or NPU devices). Workers on other nodes must accept connections

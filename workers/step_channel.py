@@ -4,8 +4,8 @@ connection, instead of one Ray actor call per step.
 A Ray call costs each step ~0.5 ms of the driver's CPU and ~0.5 ms of the worker
 process's (its gRPC and task-queue threads), and ~0.25 ms of wall time between one step
 and the next; on a 2-core host that is CPU the HTTP server and the load client need too.
-Over this channel a step is one frame each way: ~0.06 ms of CPU at each end
-(benchmarks/bench_step_channel.py). Ray still starts, places, watches and kills the
+Over this channel a step is one frame each way: ~0.13 ms of the driver's CPU and
+~0.1 ms of the worker's (benchmarks/bench_step_channel.py). Ray still starts, places, watches and kills the
 worker; only the per-step traffic moves here. No ray import: the worker actor owns a
 `StepServer`, the replica one `StepClient` per rank.
 
