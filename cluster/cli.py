@@ -268,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request (the bench polls /health)
     try:
         return a.func(a)
     except (ValueError, ConnectionError) as e:  # bad input, no Ray at the address: say what, no traceback
