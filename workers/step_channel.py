@@ -34,6 +34,10 @@ HELLO, PLAN, RESULT, ERROR = 1, 2, 3, 4
 _HEADER = struct.Struct("<BI")
 _MAX_FRAME = 1 << 31  # a frame's length field; a plan or result past 2 GiB is a bug
 _BUFFER_BYTES = 4 << 20  # socket buffers asked for (the kernel may cap them)
+_TOKEN_BYTES = 16
+_HELLO_BYTES = _HEADER.size + _TOKEN_BYTES
+HELLO_TIMEOUT_S = 10.0  # a connection's time to send its hello
+MAX_PENDING = 32  # connections waiting for their hello at once
 
 
 class StepChannelError(ConnectionError):
@@ -75,8 +79,18 @@ def _recv_frame(sock: socket.socket) -> tuple[int, bytes]:
     return kind, _recv_exact(sock, length) if length else b""
 
 
+# A peer whose host vanishes (power, network) sends no FIN: without keepalive a driver waiting for
+# a result would learn of it only at the step timeout. Probes after KEEPALIVE[0] s idle, every
+# KEEPALIVE[1] s, KEEPALIVE[2] unanswered: the connection fails ~11 s after the host went.
+KEEPALIVE = (5, 2, 3)
+
+
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"), KEEPALIVE):
+        if hasattr(socket, name):  # Linux; elsewhere the system's keepalive timing
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         try:
             sock.setsockopt(socket.SOL_SOCKET, opt, _BUFFER_BYTES)
@@ -93,7 +107,7 @@ class StepServer:
 
     def __init__(self, execute: Callable[[bytes], bytes], host: str,
                  on_thread_start: Callable[[], None] | None = None) -> None:
-        self.token = secrets.token_bytes(16)
+        self.token = secrets.token_bytes(_TOKEN_BYTES)
         self._execute = execute
         self._on_thread_start = on_thread_start
         self._listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -112,19 +126,9 @@ class StepServer:
         if self._on_thread_start is not None:
             self._on_thread_start()
         while not self._closed:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
+            conn = self._accept_driver()
+            if conn is None:
                 return  # closed
-            try:
-                conn.settimeout(10)
-                kind, token = _recv_frame(conn)
-                if kind != HELLO or not secrets.compare_digest(token, self.token):
-                    raise StepChannelError("bad hello")
-                conn.settimeout(None)
-            except (OSError, StepChannelError):
-                conn.close()
-                continue
             _tune(conn)
             self._conn = conn
             try:
@@ -132,6 +136,62 @@ class StepServer:
             except (OSError, StepChannelError):
                 pass  # the driver went away (or broke the protocol): wait for the next one
             conn.close()
+
+    def _accept_driver(self) -> socket.socket | None:
+        """The first connection whose hello carries the token (None once closed). Connections
+        wait for their hello side by side, each at most HELLO_TIMEOUT_S and MAX_PENDING at a
+        time: one that connects and stays silent does not hold the driver's out."""
+        pending: dict[socket.socket, tuple[float, bytearray]] = {}
+        try:
+            while not self._closed:
+                now = time.monotonic()
+                for c, (deadline, _) in list(pending.items()):
+                    if deadline <= now:
+                        c.close()
+                        del pending[c]
+                wait = min((d for d, _ in pending.values()), default=now + 1.0) - now
+                try:
+                    ready, _, _ = select.select([self._listener, *pending], [], [], max(wait, 0.0))
+                except (OSError, ValueError):
+                    return None  # the listener was closed under us
+                for s in ready:
+                    if s is self._listener:
+                        try:
+                            conn, _ = self._listener.accept()
+                        except OSError:
+                            if self._closed:
+                                return None
+                            continue
+                        if len(pending) >= MAX_PENDING:  # drop the oldest silent one
+                            oldest = min(pending, key=lambda c: pending[c][0])
+                            oldest.close()
+                            del pending[oldest]
+                        conn.setblocking(False)
+                        pending[conn] = (time.monotonic() + HELLO_TIMEOUT_S, bytearray())
+                        continue
+                    buf = pending[s][1]
+                    try:
+                        chunk = s.recv(_HELLO_BYTES - len(buf))  # the hello only: plans may follow it
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        chunk = b""
+                    buf += chunk
+                    if chunk and len(buf) < _HELLO_BYTES:
+                        continue
+                    del pending[s]
+                    if chunk and self._is_hello(bytes(buf)):
+                        s.setblocking(True)
+                        return s
+                    s.close()
+            return None
+        finally:
+            for c in pending:
+                c.close()
+
+    def _is_hello(self, frame: bytes) -> bool:
+        kind, length = _HEADER.unpack_from(frame)
+        return kind == HELLO and length == len(self.token) and secrets.compare_digest(frame[_HEADER.size:], self.token)
 
     def _steps(self, conn: socket.socket) -> None:
         while True:
@@ -171,6 +231,9 @@ class StepClient:
 
     def fileno(self) -> int:
         return self._sock.fileno()
+
+    def getsockopt(self, level: int, option: int) -> int:
+        return self._sock.getsockopt(level, option)
 
     def send(self, plan: bytes, timeout: float) -> None:
         try:

@@ -3,6 +3,7 @@ the hello token, and collecting several ranks. No Ray: a StepServer in this proc
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -114,6 +115,37 @@ def test_a_client_with_the_wrong_token_is_dropped_and_the_right_one_still_served
         c.send(b"driver", timeout=5)
         assert c.recv(timeout=5) == b"driver"
         assert seen == [b"driver"]  # the intruder's plan never ran
+    finally:
+        server.close()
+
+
+def test_connections_that_never_finish_their_hello_do_not_hold_the_driver_out():
+    server = _server(lambda b: b)
+    silent = [socket.create_connection((server.host, server.port)) for _ in range(3)]
+    half = socket.create_connection((server.host, server.port))
+    half.sendall(bytes([1]) + (16).to_bytes(4, "little") + b"\0" * 5)  # a hello cut short
+    try:
+        time.sleep(0.2)  # the step thread has them all pending before the driver comes
+        t0 = time.monotonic()
+        c = _client(server)
+        c.send(b"driver", timeout=5)
+        assert c.recv(timeout=5) == b"driver"
+        assert time.monotonic() - t0 < 2  # not the 10 s a silent connection may take to say hello
+    finally:
+        for s in (*silent, half):
+            s.close()
+        server.close()
+
+
+def test_the_driver_end_probes_an_idle_connection_so_a_vanished_host_fails_it():
+    server = _server(lambda b: b)
+    try:
+        c = _client(server)
+        assert c.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            idle, interval, count = (c.getsockopt(socket.IPPROTO_TCP, getattr(socket, n))
+                                     for n in ("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"))
+            assert idle + interval * count < 30  # well inside the default 120 s step timeout
     finally:
         server.close()
 
