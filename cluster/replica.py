@@ -177,7 +177,11 @@ class Replica:
                 raise EngineDeadError(f"replica {self.index} is down: its worker failed beyond the restart budget "
                                       f"(retry in {self.health_state.cooldown_left():.0f} s)")
             self.scheduler.add_request(request)
+            workers = self.workers
         self._wakeup.set()
+        if request.params.grammar is not None:  # compiled on the worker while the request waits
+            for w in workers:
+                w.prefetch_grammar.remote(request.params.grammar)
 
     def post_finish(self, request_id: str, reason: FinishReason) -> None:
         """Ask the loop to finish a request (an abort, a stop string): a message, applied

@@ -79,6 +79,11 @@ class WorkerActor:
         result = self.runner.execute(StepPlan.from_bytes(plan_bytes))
         return result.to_bytes() if self.parallel.is_first else b""  # only rank 0's result is pulled
 
+    def prefetch_grammar(self, spec) -> bool:
+        """Compile an arriving request's grammar before its step asks for it: on this actor's
+        thread, beside the step channel's (with Ray calls for steps, between them)."""
+        return self.runner is not None and self.runner.grammars.prefetch(spec)
+
     def stats(self) -> dict:
         return self.runner.stats() if self.runner is not None else {}
 

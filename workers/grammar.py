@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import threading
 from collections import OrderedDict
 
 from scheduler.grammar_spec import GrammarSpec
@@ -83,7 +84,10 @@ def _reason(e: BaseException) -> str:
 
 
 class GrammarCompilerCache:
-    """Compiles specs against one tokenizer; the same spec gets the same compiled grammar."""
+    """Compiles specs against one tokenizer; the same spec gets the same compiled grammar.
+    Thread-safe: a spec another thread is compiling is waited for, not compiled twice (the
+    worker compiles an arriving request's grammar ahead of its step, on the actor's thread,
+    while steps run on the step channel's; xgrammar compiles without the GIL)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids, max_threads: int = COMPILE_THREADS,
                  cache_size: int = CACHE_SIZE) -> None:
@@ -96,18 +100,33 @@ class GrammarCompilerCache:
         self._compiled: OrderedDict[GrammarSpec, object] = OrderedDict()
         self.cache_size = cache_size
         self.num_compiled = 0  # cache misses
+        self._lock = threading.Lock()
+        self._compiling: dict[GrammarSpec, threading.Event] = {}
 
     def compiled(self, spec: GrammarSpec):
-        hit = self._compiled.get(spec)
-        if hit is not None:
-            self._compiled.move_to_end(spec)
-            return hit
-        compiled = self.compiler.compile_grammar(build_grammar(spec))
-        self.num_compiled += 1
-        self._compiled[spec] = compiled
-        if len(self._compiled) > self.cache_size:
-            self._compiled.popitem(last=False)
-        return compiled
+        while True:
+            with self._lock:
+                hit = self._compiled.get(spec)
+                if hit is not None:
+                    self._compiled.move_to_end(spec)
+                    return hit
+                busy = self._compiling.get(spec)
+                if busy is None:
+                    self._compiling[spec] = done = threading.Event()
+                    break
+            busy.wait()  # then look again: it is cached, or its compile failed and this one tries
+        try:
+            compiled = self.compiler.compile_grammar(build_grammar(spec))
+            with self._lock:
+                self.num_compiled += 1
+                self._compiled[spec] = compiled
+                if len(self._compiled) > self.cache_size:
+                    self._compiled.popitem(last=False)
+            return compiled
+        finally:
+            with self._lock:
+                del self._compiling[spec]
+            done.set()
 
     def matcher(self, spec: GrammarSpec):
         """A fresh GrammarMatcher for `spec` (at the start of its output)."""

@@ -20,6 +20,7 @@ ban left nothing the grammar allows), its request is no longer constrained.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -74,8 +75,16 @@ class GrammarMasks:
         self.checkpoint = checkpoint  # its tokenizer and EOS ids; None: a model without a tokenizer
         self.cache: GrammarCompilerCache | None = None
         self._bitmask: torch.Tensor | None = None  # [max_num_seqs, ceil(V/32)] int32, on the host
+        self._build_lock = threading.Lock()  # the step thread and a prefetch may both build the compiler
+        self.num_prefetches = 0  # prefetch() calls (the engine sends each grammar ahead of its step)
 
     def _compiler(self) -> GrammarCompilerCache:
+        if self.cache is not None:
+            return self.cache
+        with self._build_lock:
+            return self._build_compiler()
+
+    def _build_compiler(self) -> GrammarCompilerCache:
         if self.cache is None:
             if self.checkpoint is None:
                 raise ValueError("structured output needs the model's tokenizer, and this model has none")
@@ -101,6 +110,24 @@ class GrammarMasks:
             return False
         log.info("structured output prepared in %.2f s", time.perf_counter() - t0)
         return True
+
+    def prefetch(self, spec) -> bool:
+        """Compile `spec` now, ahead of the step that admits its request (which then finds it
+        cached), where the compiler is ready; whether it is compiled. Best effort: a spec that
+        fails is left to that step to refuse."""
+        self.num_prefetches += 1
+        if self.cache is None:  # lazy structured output: the first grammar's step builds the compiler
+            return False
+        try:
+            self.cache.compiled(spec)
+        except Exception as e:  # noqa: BLE001 - the step reports it, with the request's slot
+            log.debug("grammar prefetch failed: %s: %s", type(e).__name__, e)
+            return False
+        return True
+
+    def stats(self) -> dict:
+        return {"ready": self.cache is not None, "compiled": 0 if self.cache is None else self.cache.num_compiled,
+                "prefetches": self.num_prefetches}
 
     def check_new(self, new_requests) -> None:
         """Compile (or find cached) each arriving request's grammar: a ValueError here comes

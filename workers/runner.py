@@ -308,6 +308,7 @@ class ModelRunner:
             "collective_s": self.parallel.collective_s,
             "collectives": self.parallel.num_collectives,
             "ops": self.ops.describe(),
+            "grammars": self.grammars.stats(),
             "sampler": "fused-cpp" if self.sampler.kernels is not None else "torch",
             "cpu_threads": None if self.cpu_threads is None else {
                 "step": self.cpu_threads[0], "prefill": self.cpu_threads[1],

@@ -61,3 +61,15 @@ def test_a_grammar_is_refused_when_the_workers_lack_xgrammar(ray_session, monkey
         out = llm.generate("hi", SamplingParams(max_tokens=4, temperature=0))  # the replica keeps serving
         stats = llm.stats()
     assert out.token_ids and out.finish_reason in ("stop", "length") and stats["worker_restarts"] == 0
+
+
+def test_the_engine_sends_each_grammar_to_its_worker_ahead_of_the_step(ray_session):
+    params = SamplingParams(max_tokens=24, temperature=0, grammar=GrammarSpec("json_schema", json.dumps(SCHEMA)))
+    with cluster.launch(num_kv_blocks=64, threads_per_worker=1) as llm:
+        prompts = [llm.apply_chat_template([{"role": "user", "content": q}], None, {"enable_thinking": False})
+                   for q in QUESTIONS]
+        outs = llm.generate(prompts, params)
+        grammars = llm.worker_stats()[0]["grammars"]
+    assert grammars["ready"] and grammars["prefetches"] == len(QUESTIONS)
+    assert grammars["compiled"] == 1  # the one schema, compiled once between prefetch and step
+    assert all(o.finish_reason in ("stop", "length") for o in outs)

@@ -167,3 +167,39 @@ def test_prepare_at_start_builds_the_compiler_before_any_grammar_arrives(tok):
     assert runner.grammars.cache is cache and cache.num_compiled == 1  # the one built at start serves it
     no_tokenizer = GrammarMasks(max_num_seqs=1, vocab_size=64, device=torch.device("cpu"), checkpoint=None)
     assert no_tokenizer.prepare() is False and no_tokenizer.cache is None  # a grammar request then says why
+
+
+def test_a_prefetched_grammar_is_the_one_its_step_uses(tok):
+    runner = _runner(prepare_structured_output=True)
+    prompt = _prompt(tok, "Tell me about Paris.")
+    sampling = _schema_sampling(prompt)
+    assert runner.grammars.prefetch(sampling.grammar) is True
+    cache = runner.grammars.cache
+    assert cache.num_compiled == 1
+    driver = PlanDriver(runner)
+    driver.add(prompt, sampling)
+    driver.step()
+    assert cache.num_compiled == 1  # the step found it compiled
+    bad = GrammarSpec("json_schema", '{"type": "strin"}')
+    assert runner.grammars.prefetch(bad) is False  # left to its step to refuse, with the slot
+    assert _runner().grammars.prefetch(sampling.grammar) is False  # lazy: the first grammar's step builds it
+
+
+def test_threads_asking_for_one_grammar_at_once_compile_it_once(tok):
+    import threading
+
+    runner = _runner(prepare_structured_output=True)
+    cache = runner.grammars.cache
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    got, start = [], threading.Barrier(4)
+
+    def ask():
+        start.wait()
+        got.append(cache.compiled(spec))
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert cache.num_compiled == 1 and len(got) == 4 and all(g is got[0] for g in got)
