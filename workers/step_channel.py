@@ -151,10 +151,12 @@ class StepServer:
                         del pending[c]
                 wait = min((d for d, _ in pending.values()), default=now + 1.0) - now
                 try:
-                    ready, _, _ = select.select([self._listener, *pending], [], [], max(wait, 0.0))
+                    ready = _readable([self._listener, *pending], wait)
                 except (OSError, ValueError):
                     return None  # the listener was closed under us
                 for s in ready:
+                    if s is not self._listener and s not in pending:  # dropped above as the oldest
+                        continue
                     if s is self._listener:
                         try:
                             conn, _ = self._listener.accept()
@@ -265,6 +267,18 @@ class StepClient:
         self._sock.close()
 
 
+def _readable(items: Sequence, timeout: float) -> list:
+    """Those of `items` (sockets, clients: anything with fileno()) readable, closed or failed
+    within `timeout` seconds. poll, not select: an engine process serving a flood of HTTP
+    connections has descriptors past select's 1,024."""
+    poller, by_fd = select.poll(), {}
+    for item in items:
+        fd = item.fileno()
+        by_fd[fd] = item
+        poller.register(fd, select.POLLIN | select.POLLPRI)
+    return [by_fd[fd] for fd, _ in poller.poll(max(timeout, 0.0) * 1000) if fd in by_fd]
+
+
 def collect(clients: Sequence[StepClient], timeout: float) -> bytes:
     """Each rank's result of the oldest step in flight; returns rank 0's. Whichever rank
     answers first is read first, so a rank that failed raises without waiting for the
@@ -275,7 +289,7 @@ def collect(clients: Sequence[StepClient], timeout: float) -> bytes:
     pending, data = list(clients), b""
     while pending:
         left = deadline - time.monotonic()
-        ready = select.select(pending, [], [], max(left, 0.0))[0] if left > 0 else []
+        ready = _readable(pending, left) if left > 0 else []
         if not ready:
             raise StepTimeout(f"{len(pending)} of {len(clients)} ranks returned no step result within {timeout:.0f} s")
         for c in ready:

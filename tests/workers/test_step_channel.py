@@ -150,6 +150,30 @@ def test_the_driver_end_probes_an_idle_connection_so_a_vanished_host_fails_it():
         server.close()
 
 
+def test_the_channel_works_with_descriptors_past_selects_limit():
+    """An engine process in an HTTP flood holds thousands of sockets; a worker restarted then
+    gets channel descriptors past 1,024, where select() cannot wait on them."""
+    import os
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        pytest.skip(f"the descriptor limit here is {soft}")
+    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        servers = [_server(lambda b, i=i: b + bytes([i])) for i in range(2)]
+        clients = [_client(s) for s in servers]
+        assert min(c.fileno() for c in clients) > 1024
+        for c in clients:
+            c.send(b"plan", timeout=5)
+        assert collect(clients, timeout=5) == b"plan\x00"
+        for s in servers:
+            s.close()
+    finally:
+        for fd in filler:
+            os.close(fd)
+
+
 def test_steps_run_on_the_thread_that_on_thread_start_prepared():
     prepared, ran = [], []
     server = _server(lambda b: ran.append(threading.get_ident()) or b,
