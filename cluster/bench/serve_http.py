@@ -60,7 +60,7 @@ class _Completion(asyncio.Protocol):
         self.request, self.rec, self.t0, self.done = request, rec, t0, done
         self.last = t0
         self.head = bytearray()
-        self.raw = bytearray()  # the body as sent, chunk framing and all
+        self.raw = bytearray()  # a chunked body as sent, framing and all, not yet de-chunked
         self.events = b""  # de-chunked SSE text not yet split into events
         self.body = bytearray()  # an error response's body
         self.chunked = False
@@ -91,19 +91,20 @@ class _Completion(asyncio.Protocol):
                     self.length = int(value)
             data = bytes(self.head[end + 4:])
             self.head = bytearray()
-        self.raw += data
-        payload, ended = self._dechunk() if self.chunked else (bytes(self.raw), False)
-        if not self.chunked:
-            self.raw.clear()
+        if self.chunked:
+            self.raw += data
+            payload, ended = self._dechunk()
+        else:
+            payload, ended = data, False
         if self.rec.status != 200:
             self.body += payload
             if ended or (self.length is not None and len(self.body) >= self.length):
-                self._finish(error=self._error_text(), ok=False)
+                self._finish(error=self._error_text())
             return
         self.events += payload
         self._events(now)
         if ended and not self.done.done():
-            self._finish(error="the stream ended without [DONE]", ok=False)
+            self._finish(error="the stream ended without [DONE]")
 
     def _dechunk(self) -> tuple[bytes, bool]:
         """The whole chunks received so far (each one write of the server's), and whether the
@@ -146,9 +147,9 @@ class _Completion(asyncio.Protocol):
                 rec.itl.append(now - self.last)
             self.last = now
 
-    def _finish(self, error: str | None = None, ok: bool = True) -> None:
+    def _finish(self, error: str | None = None) -> None:
         self.rec.latency = time.perf_counter() - self.t0
-        self.rec.ok, self.rec.error = ok and error is None, error
+        self.rec.ok, self.rec.error = error is None, error
         self.done.set_result(self.rec)
         self.transport.close()
 
@@ -156,9 +157,9 @@ class _Completion(asyncio.Protocol):
         if self.done.done():
             return
         if self.rec.status and self.rec.status != 200 and exc is None:  # an error body that ran to EOF
-            self._finish(error=self._error_text(), ok=False)
+            self._finish(error=self._error_text())
         else:
-            self._finish(error=f"the connection closed before the response ended ({exc or 'EOF'})", ok=False)
+            self._finish(error=f"the connection closed before the response ended ({exc or 'EOF'})")
 
 
 async def _one(host: str, port: int, request: bytes) -> RequestRecord:
