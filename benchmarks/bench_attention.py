@@ -21,7 +21,7 @@ import torch
 
 from workers.kv_cache import KVCache
 from workers.ops import cpu_kernels
-from workers.ops.cpu_attention import ChunkedPagedAttention, PagedAttention
+from workers.ops.cpu_attention import ChunkedPagedAttention, PagedAttention, PortablePagedAttention
 from workers.ops.metadata import SequenceRows, build_metadata
 from workers.ops.reference import GatherSDPAAttention
 
@@ -55,7 +55,8 @@ def main() -> None:
     rng = random.Random(0)
     backends = {"gather-sdpa (reference)": GatherSDPAAttention(), "chunked-online-softmax": ChunkedPagedAttention()}
     if cpu_kernels.load() is not None:  # raylm's C++ kernel, where it builds
-        backends["paged-cpp"] = PagedAttention()
+        backends["paged-cpp"] = PagedAttention()  # vectorized where the build has AVX2 + FMA
+        backends["paged-cpp-portable"] = PortablePagedAttention()
     cases = {"decode": (a.rows, []), "mixed": (a.rows // 2, [(0, 300), (160, 200)])}
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}")
     for case, (rows, prefills) in cases.items():

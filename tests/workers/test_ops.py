@@ -35,7 +35,7 @@ FAST = [n for n in TABLES if n != "reference"]
 # the CPU table's attention backends, each forced (the table's default is one of them); the C++
 # one needs a compiler (torch's extension builder calls $CXX, else c++), which these machines have
 HAVE_CXX = shutil.which(os.environ.get("CXX", "c++")) is not None
-CPU_ATTENTION = ["paged", "chunked", "gather"] if "cpu" in TABLES else []
+CPU_ATTENTION = ["paged", "paged-portable", "chunked", "gather"] if "cpu" in TABLES else []
 needs_cxx = pytest.mark.skipif(not HAVE_CXX, reason="no C++ compiler: raylm's CPU kernel cannot be built")
 
 
@@ -126,14 +126,15 @@ def test_attention_equals_the_reference(name, seed, block_size):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", [pytest.param(b, marks=needs_cxx) if b == "paged" else b for b in CPU_ATTENTION])
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=needs_cxx) if b.startswith("paged") else b
+                                     for b in CPU_ATTENTION])
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_each_cpu_attention_backend_equals_the_reference(backend, seed, block_size, monkeypatch):
     monkeypatch.setenv("RAYLM_CPU_ATTENTION", backend)
     ops = get_op_table("cpu", "cpu")
-    assert ops.describe()["attention"] == {"paged": "paged-cpp", "chunked": "chunked-online-softmax",
-                                           "gather": "gather-sdpa"}[backend]
+    assert ops.describe()["attention"] == {"paged": "paged-cpp", "paged-portable": "paged-cpp-portable",
+                                           "chunked": "chunked-online-softmax", "gather": "gather-sdpa"}[backend]
     cache, seqs, d, _, q, k, v = random_batch(seed, block_size=block_size)
     other = copy.copy(cache)
     other.data = cache.data.clone()
@@ -142,12 +143,26 @@ def test_each_cpu_attention_backend_equals_the_reference(backend, seed, block_si
 
 
 @needs_cxx
+@pytest.mark.parametrize("backend", ["paged", "paged-portable"])
 @pytest.mark.parametrize("seed", range(3))
-def test_paged_cpu_attention_at_qwen3_head_shapes(seed, monkeypatch):
+def test_paged_cpu_attention_at_qwen3_head_shapes(seed, backend, monkeypatch):
     """Qwen3-0.6B's heads (8 KV heads of 128, 2 query heads each), contexts past several blocks."""
-    monkeypatch.setenv("RAYLM_CPU_ATTENTION", "paged")
+    monkeypatch.setenv("RAYLM_CPU_ATTENTION", backend)
     cache, seqs, d, contexts, q, k, v = random_batch(seed, block_size=16, num_kv_heads=8, group=2, head_dim=128,
                                                      num_blocks=128)
+    out = run_attention(None, cache, seqs, d, q, k, v, ops=get_op_table("cpu", "cpu"))
+    torch.testing.assert_close(out, dense_attention(seqs, contexts, q, k, v), atol=1e-5, rtol=1e-5)
+
+
+@needs_cxx
+@pytest.mark.parametrize("backend", ["paged", "paged-portable"])
+@pytest.mark.parametrize(("head_dim", "group"), [(8, 1), (24, 2), (40, 3), (64, 4), (12, 2)])
+def test_paged_cpu_attention_at_head_sizes_off_the_vector_width(head_dim, group, backend, monkeypatch):
+    """Head sizes the vectorized path splits into 32-, 16- and 8-wide pieces (24, 40), a single
+    query head per KV head (group 1, an odd one: 3), and one it leaves to the plain loops (12)."""
+    monkeypatch.setenv("RAYLM_CPU_ATTENTION", backend)
+    cache, seqs, d, contexts, q, k, v = random_batch(7, block_size=16, num_kv_heads=2, group=group,
+                                                     head_dim=head_dim)
     out = run_attention(None, cache, seqs, d, q, k, v, ops=get_op_table("cpu", "cpu"))
     torch.testing.assert_close(out, dense_attention(seqs, contexts, q, k, v), atol=1e-5, rtol=1e-5)
 
@@ -175,7 +190,8 @@ def test_a_half_precision_model_gets_the_gather_path_on_the_cpu(monkeypatch):
 
 def test_an_unknown_cpu_attention_backend_is_refused(monkeypatch):
     monkeypatch.setenv("RAYLM_CPU_ATTENTION", "flash")
-    with pytest.raises(ValueError, match="RAYLM_CPU_ATTENTION must be one of paged, chunked, gather, got 'flash'"):
+    with pytest.raises(ValueError,
+                       match="RAYLM_CPU_ATTENTION must be one of paged, paged-portable, chunked, gather, got 'flash'"):
         get_op_table("cpu", "cpu")
 
 

@@ -5,6 +5,9 @@
   where they lie in the pool, and a prefill chunk's after a cached prefix; a chunk with nothing
   cached attends causally over its own new keys through SDPA (a GEMM-shaped problem, no pool
   read). fp32 only: a model computing in half precision gets "gather".
+  Where the build has AVX2 + FMA and head_dim % 8 == 0 it runs the kernel's vectorized path
+  (eight key positions per score reduction, value accumulators in registers);
+  "paged-portable" forces the plain loops every other CPU runs (tests hold both to the reference).
 - "chunked": decode rows by a block-wise online softmax: a few block-table columns at a time
   (CHUNK_TOKENS keys per row), read from the pool, scored, and folded into running max / sum /
   output, so the working set stays a chunk, never the whole padded context of the batch.
@@ -13,7 +16,8 @@
   keys.
 - "gather": the reference's gather + SDPA (RAYLM_CPU_ATTENTION=gather), also what runs where the
   kernel cannot be built (the reason is in stats()["ops"]["kernels"]).
-RAYLM_CPU_ATTENTION overrides the default; "paged" then fails loudly if the kernel cannot be built.
+RAYLM_CPU_ATTENTION overrides the default; "paged" / "paged-portable" then fail loudly if the kernel cannot
+be built.
 """
 
 from __future__ import annotations
@@ -33,14 +37,15 @@ ENV = "RAYLM_CPU_ATTENTION"
 
 
 def make_cpu_attention() -> AttentionBackend:
-    backends = {"paged": PagedAttention, "chunked": ChunkedPagedAttention, "gather": GatherSDPAAttention}
+    backends = {"paged": PagedAttention, "paged-portable": PortablePagedAttention, "chunked": ChunkedPagedAttention,
+                "gather": GatherSDPAAttention}
     name = os.environ.get(ENV)
     if name is not None and name not in backends:
         raise ValueError(f"{ENV} must be one of {', '.join(backends)}, got {name!r}")
     if name is None:
         name = "paged" if cpu_kernels.load() is not None else "gather"
-    elif name == "paged" and cpu_kernels.load() is None:
-        raise RuntimeError(f"{ENV}=paged, but raylm's CPU kernels could not be built: {cpu_kernels.failure()}")
+    elif name.startswith("paged") and cpu_kernels.load() is None:
+        raise RuntimeError(f"{ENV}={name}, but raylm's CPU kernels could not be built: {cpu_kernels.failure()}")
     return backends[name]()
 
 
@@ -55,6 +60,7 @@ class PagedAttention(AttentionBackend):
 
     def __init__(self) -> None:
         self.kernels = cpu_kernels.load()
+        self._attend = self.kernels.paged_attention
 
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
         d = meta.num_decode
@@ -78,11 +84,11 @@ class PagedAttention(AttentionBackend):
         q = q.contiguous()
         d = meta.num_decode
         if d:
-            self.kernels.paged_attention(out[:d], q[:d], key, value, meta.block_tables, meta.extra["decode_rows"],
-                                         meta.seq_lens[:d], scale)
+            self._attend(out[:d], q[:d], key, value, meta.block_tables, meta.extra["decode_rows"], meta.seq_lens[:d],
+                         scale)
         for how, s, n, a, b in meta.extra["chunks"]:
             if how == "kernel":
-                self.kernels.paged_attention(out[s:s + n], q[s:s + n], key, value, meta.block_tables, a, b, scale)
+                self._attend(out[s:s + n], q[s:s + n], key, value, meta.block_tables, a, b, scale)
                 continue
             kc, vc = (k[s:s + n], v[s:s + n]) if how == "own" else kv_cache.gather(layer, a)  # [ctx, KVH, D]
             o = F.scaled_dot_product_attention(
@@ -90,6 +96,16 @@ class PagedAttention(AttentionBackend):
                 vc.transpose(0, 1).unsqueeze(0), attn_mask=b, is_causal=how == "own", scale=scale, enable_gqa=True)
             out[s:s + n] = o[0].transpose(0, 1).reshape(n, num_heads * head_dim)
         return out
+
+
+class PortablePagedAttention(PagedAttention):
+    """PagedAttention through the kernel's plain loops only (RAYLM_CPU_ATTENTION=paged-portable)."""
+
+    name = "paged-cpp-portable"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._attend = self.kernels.paged_attention_portable
 
 
 class ChunkedPagedAttention(AttentionBackend):
