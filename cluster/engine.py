@@ -32,7 +32,7 @@ from cluster.placement import cpu_worker_threads, create_replica_groups, release
 from cluster.replica import Replica
 from cluster.router import Router
 from cluster.stream import RequestStream, deliver
-from scheduler.checks import is_int
+from scheduler.checks import all_ints_in, is_int
 from scheduler.request import FinishReason, Request, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -148,13 +148,13 @@ class Engine:
                 raise ValueError("prompt must not be empty")
             self._need_tokenizer("text prompts")
             return prompt, encode_prompt(self.tokenizer, prompt)
-        if isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
+        if isinstance(prompt, (list, tuple)) and all_ints_in(prompt, 0, self.vocab_size):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
             return None, list(prompt)
+        if isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}: {prompt!r:.80}")
 
     def default_sampling_params(self) -> SamplingParams:

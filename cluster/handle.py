@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 from cluster.outputs import RequestOutput, StreamDelta
 from cluster.stream import RequestStream
-from scheduler.checks import is_int
+from scheduler.checks import all_ints
 from scheduler.request import SamplingParams
 
 Prompt = str | list[int]
@@ -227,7 +227,7 @@ class LLMHandle:
 def _is_single(prompts) -> bool:
     if isinstance(prompts, str):
         return True
-    return isinstance(prompts, (list, tuple)) and bool(prompts) and all(is_int(t) for t in prompts)
+    return isinstance(prompts, (list, tuple)) and bool(prompts) and all_ints(prompts)
 
 
 def _one(params):

@@ -14,6 +14,17 @@ def is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def all_ints(values) -> bool:
+    """Every value an int (not a bool). Exact ints are checked in C: this runs per request on the serving
+    path, where the per-element Python check cost ~20 us for a 300-token prompt."""
+    return set(map(type, values)) <= {int} or all(is_int(t) for t in values)
+
+
+def all_ints_in(values, lo: int, hi: int) -> bool:
+    """Every value an int (not a bool) in [lo, hi)."""
+    return not values or (all_ints(values) and lo <= min(values) and max(values) < hi)
+
+
 def is_number(x) -> bool:
     """A finite int or float, and not a bool."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -8,7 +8,7 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 
-from scheduler.checks import check_bool, check_int, is_int
+from scheduler.checks import all_ints_in, check_bool, check_int, is_int
 from scheduler.grammar_spec import GrammarSpec
 from scheduler.protocol import (  # noqa: F401  (MAX_LOGPROBS, MAX_LOGIT_BIAS: re-exported)
     MAX_LOGIT_BIAS,
@@ -199,7 +199,7 @@ class Request:
             raise ValueError(f"prompt must not be empty (request {self.request_id!r})")
         self.prompt_token_ids = list(self.prompt_token_ids)
         # ids travel as packed int32 on the wire
-        if not all(is_int(t) and 0 <= t < 2**31 for t in self.prompt_token_ids):
+        if not all_ints_in(self.prompt_token_ids, 0, 2**31):
             bad = next(t for t in self.prompt_token_ids if not (is_int(t) and 0 <= t < 2**31))
             raise ValueError(
                 f"prompt_token_ids must be integers in [0, 2**31) (request {self.request_id!r}), got {bad!r}"

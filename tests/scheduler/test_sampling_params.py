@@ -92,6 +92,7 @@ def test_min_tokens_becomes_a_position_ban_on_eos_and_stop_ids():
 
 @pytest.mark.parametrize("prompt,field", [
     ([], "prompt"), ([1, -1], "prompt_token_ids"), ([1, 2**31], "prompt_token_ids"), ([1, "a"], "prompt_token_ids"),
+    ([1, True], "prompt_token_ids"), ([2.0, 1], "prompt_token_ids"),
 ])
 def test_bad_request_raises_naming_the_field(prompt, field):
     with pytest.raises(ValueError, match=field):
