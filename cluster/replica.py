@@ -37,7 +37,7 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import ray
@@ -47,10 +47,12 @@ from cluster.config import EngineConfig
 from cluster.errors import EngineDeadError
 from cluster.placement import release, scheduling_strategy
 from cluster.replica_health import ReplicaHealth
+from scheduler.grammar_spec import GrammarSpec
 from scheduler.protocol import StepResult, pack_int32, sampled_on_device
 from scheduler.request import FinishReason, Request, RequestUpdate
 from scheduler.scheduler import Scheduler
 from workers.actor import remote_worker
+from workers.grammar import CACHE_SIZE as GRAMMAR_CACHE_SIZE
 from workers.runner_config import RunnerConfig
 from workers.step_channel import StepChannelError, StepClient, StepTimeout, WorkerStepError, collect
 
@@ -84,6 +86,8 @@ class Replica:
         self._host_sampler = None  # host-logits mode: this replica's own Sampler (start() makes it)
         self._depth = config.pipeline_depth_for(runner_config.device_outputs)
         self._lock = threading.Lock()  # guards the scheduler
+        # grammars sent ahead to this worker generation, newest last: as many as a worker keeps compiled
+        self._prefetched: OrderedDict[GrammarSpec, None] = OrderedDict()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (request_id, FinishReason) to finish
         self._wakeup = threading.Event()
         self._stopping = False
@@ -136,6 +140,8 @@ class Replica:
             timeout = max(cfg.step_timeout_s, cfg.start_timeout_s)
             parallel = [dict(rank=r, world_size=tp, master_addr=address, master_port=port, timeout_s=timeout)
                         for r in range(tp)]
+        with self._lock:  # new workers have compiled nothing
+            self._prefetched.clear()
         self.workers = workers  # set before start: a failed start is killed by _kill_worker
         config = dataclasses.asdict(self._runner_config)  # a plain dict crosses to the actor
         infos = ray.get([w.start.remote(config, p) for w, p in zip(workers, parallel)], timeout=cfg.start_timeout_s)
@@ -178,10 +184,24 @@ class Replica:
                                       f"(retry in {self.health_state.cooldown_left():.0f} s)")
             self.scheduler.add_request(request)
             workers = self.workers
+            grammar = request.params.grammar
+            prefetch = grammar is not None and self._note_prefetch(grammar)
         self._wakeup.set()
-        if request.params.grammar is not None:  # compiled on the worker while the request waits
+        if prefetch:  # compiled on the worker while the request waits
             for w in workers:
-                w.prefetch_grammar.remote(request.params.grammar)
+                w.prefetch_grammar.remote(grammar)
+
+    def _note_prefetch(self, grammar: GrammarSpec) -> bool:
+        """Whether `grammar` still needs sending ahead (lock held): not when it was sent to these workers
+        among the last GRAMMAR_CACHE_SIZE, which the worker's cache of that size still holds (each
+        grammar passes here, so this order follows the worker's; a miss only costs the step its compile)."""
+        if grammar in self._prefetched:
+            self._prefetched.move_to_end(grammar)
+            return False
+        self._prefetched[grammar] = None
+        if len(self._prefetched) > GRAMMAR_CACHE_SIZE:
+            self._prefetched.popitem(last=False)
+        return True
 
     def post_finish(self, request_id: str, reason: FinishReason) -> None:
         """Ask the loop to finish a request (an abort, a stop string): a message, applied

@@ -6,6 +6,7 @@ start, and the engine refuses a grammar for them instead of sending it to fail a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jsonschema
@@ -39,7 +40,10 @@ def test_structured_requests_survive_a_worker_restart_unchanged(ray_session, fau
         arm_fault(llm, kind, after_steps=8)  # mid-way through the JSON
         again = llm.generate(prompts, params)
         stats = llm.stats()
+        llm.generate(prompts[:1], params)
+        new_worker = llm.worker_stats()[0]["grammars"]
     assert stats["worker_restarts"] == 1
+    assert new_worker["prefetches"] == 1  # the restarted worker had compiled nothing: the spec went ahead again
     assert [o.token_ids for o in again] == [o.token_ids for o in clean]
     for o in again:
         assert o.finish_reason == "stop"
@@ -63,13 +67,18 @@ def test_a_grammar_is_refused_when_the_workers_lack_xgrammar(ray_session, monkey
     assert out.token_ids and out.finish_reason in ("stop", "length") and stats["worker_restarts"] == 0
 
 
-def test_the_engine_sends_each_grammar_to_its_worker_ahead_of_the_step(ray_session):
+def test_the_engine_sends_each_grammar_to_its_worker_ahead_of_the_step_once(ray_session):
     params = SamplingParams(max_tokens=24, temperature=0, grammar=GrammarSpec("json_schema", json.dumps(SCHEMA)))
     with cluster.launch(num_kv_blocks=64, threads_per_worker=1) as llm:
         prompts = [llm.apply_chat_template([{"role": "user", "content": q}], None, {"enable_thinking": False})
                    for q in QUESTIONS]
         outs = llm.generate(prompts, params)
         grammars = llm.worker_stats()[0]["grammars"]
-    assert grammars["ready"] and grammars["prefetches"] == len(QUESTIONS)
+        other = GrammarSpec("json_schema", json.dumps({**SCHEMA, "required": ["city"]}))
+        outs += llm.generate(prompts, dataclasses.replace(params, grammar=other))
+        outs += llm.generate(prompts[:1], params)  # the first schema again: still compiled there
+        later = llm.worker_stats()[0]["grammars"]
+    assert grammars["ready"] and grammars["prefetches"] == 1  # sent once for the three requests
     assert grammars["compiled"] == 1  # the one schema, compiled once between prefetch and step
+    assert later["prefetches"] == 2 and later["compiled"] == 2
     assert all(o.finish_reason in ("stop", "length") for o in outs)
