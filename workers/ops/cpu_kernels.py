@@ -3,8 +3,9 @@
 Built with torch's C++ extension builder (g++ and ninja; -O3 -march=native -fopenmp, so the
 build is this CPU's) into RAYLM_KERNEL_CACHE (default ~/.cache/raylm/kernels), under a name
 that hashes the sources, torch's version, the compiler flags and this CPU's feature flags: a
-second start, another worker or another process on the same machine loads the built library
-in milliseconds; a different CPU or torch builds its own. Concurrent builders wait on torch's
+second start, another worker, another process or another checkout of the same sources on the
+same machine loads the built library in milliseconds (it is built from copies of the sources kept
+there); a different CPU or torch builds its own. Concurrent builders wait on torch's
 lock in the build directory.
 
 `load()` returns the module, or None when it cannot be built here (no compiler, no headers):
@@ -63,7 +64,8 @@ def load():
         build_dir = cache_root() / name
         build_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
+        sources = _content_addressed_sources(build_dir)
+        cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=list(CFLAGS),
                            extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False,
                            verbose=False)
         module = torch.ops.raylm
@@ -77,6 +79,26 @@ def load():
                     "sampling draws with torch ops",
                     _failure)
         return None
+
+
+def _content_addressed_sources(build_dir: Path) -> list[Path]:
+    """The sources (and headers) copied under build_dir, whose name hashes their content, and built
+    from there: ninja keys its build on the sources' paths, so two checkouts of the same sources on one
+    machine (a clone and a worktree, say) built from their own paths rebuilt each other's library at
+    every process start (~1 minute of g++ in the first worker). Copies go in by rename, so concurrent
+    starts never see half a file."""
+    src_dir = build_dir / "src"
+    src_dir.mkdir(exist_ok=True)
+    copies = []
+    for src in (*SOURCES, *HEADERS):
+        dst = src_dir / src.name
+        data = src.read_bytes()
+        if not dst.exists() or dst.read_bytes() != data:
+            tmp = src_dir / f".{src.name}.{os.getpid()}"
+            tmp.write_bytes(data)
+            os.replace(tmp, dst)
+        copies.append(dst)
+    return copies[:len(SOURCES)]
 
 
 def load_unless(env: str, off: str):
