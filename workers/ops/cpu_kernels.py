@@ -85,7 +85,7 @@ def _content_addressed_sources(build_dir: Path) -> list[Path]:
     """The sources (and headers) copied under build_dir, whose name hashes their content, and built
     from there: ninja keys its build on the sources' paths, so two checkouts of the same sources on one
     machine (a clone and a worktree, say) built from their own paths rebuilt each other's library at
-    every process start (~1 minute of g++ in the first worker). Copies go in by rename, so concurrent
+    every process start (~25 s of g++ in the first worker). Copies go in by rename, so concurrent
     starts never see half a file."""
     src_dir = build_dir / "src"
     src_dir.mkdir(exist_ok=True)
