@@ -49,7 +49,6 @@ def test_the_build_name_follows_sources_and_cpu_features(tmp_path, monkeypatch):
     assert cpu_kernels.build_name() != first  # another CPU builds its own
 
 
-
 LOAD_FROM = """
 import sys
 from pathlib import Path
