@@ -113,7 +113,11 @@ def test_steps_over_the_socket_channel_and_as_ray_calls_give_identical_outputs(r
             assert isinstance(info["step_channel"], str)  # the channel's address and secret stay out of stats
     assert results["socket"][0] == "socket" and results["ray"][0] == "ray"
     assert results["socket"][1] == _expected(tiny, PROMPTS, max_tokens=16)
-    assert results["socket"][1:] == results["ray"][1:]
+    assert results["socket"][1:3] == results["ray"][1:3]
+    # logprobs to fp32 rounding: which step a request joins depends on timing, and on some CPUs
+    # (AVX-512 seen) the GEMMs' summation order depends on the batch's row count
+    for lp_socket, lp_ray in zip(results["socket"][3], results["ray"][3], strict=True):
+        assert lp_socket == pytest.approx(lp_ray, rel=1e-4, abs=1e-5)
 
 
 def test_stream_chinese_deltas_never_split_a_character(ray_session, tiny):
