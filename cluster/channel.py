@@ -11,7 +11,9 @@ two calls, each carrying many requests at once:
   last pull, one entry per delta:
   `[request_id, text, token_ids, finish_reason, logprobs, final]`, where logprobs is None
   or `[[token_id, token, logprob, [[id, token, logprob], ...]], ...]` and final (on the
-  last delta only) is `[prompt_token_ids, text, token_ids, stop_reason, error, metrics]`.
+  last delta only) is `[prompt_token_ids, text, token_ids, stop_reason, error, metrics]`;
+  or, for a request refused after it was accepted (its grammar did not compile), a refusal
+  as `push` answers them: `[request_id, kind, message, retry_after_s]`.
 
 Nothing here is pickled: both directions decode with msgpack alone.
 """

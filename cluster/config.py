@@ -65,7 +65,14 @@ class EngineConfig:
     `max_worker_restarts` times within any `restart_window_s` seconds, waiting
     `restart_backoff_s` (doubling, at most `max_restart_backoff_s`) between failures in
     a row; beyond that it gives up, fails its requests, and tries again after
-    `replica_cooldown_s`, rejoining the router once its worker is up.
+    `replica_cooldown_s`, rejoining the router once its worker is up. A request that was on
+    the worker at `max_request_failures` failures in a row (none of its tokens sampled in
+    between) is failed as their likely cause, so one request cannot take a replica down
+    over and over; the others are recomputed.
+    A request's grammar (structured output, forced tool calls) is compiled by the workers
+    before the request is scheduled, never inside a step: a spec longer than
+    `max_grammar_bytes`, or one not compiled within `grammar_compile_timeout_s`, is refused
+    (a 400), and only that request waits for its grammar.
     `generation_config` "auto" takes the checkpoint's generation_config.json sampling values
     (temperature, top_p, top_k, min_p, the repetition, presence and frequency penalties,
     max_new_tokens as max_tokens) as the defaults of requests that leave them unset, as vLLM
@@ -80,6 +87,10 @@ class EngineConfig:
     and "ray" on accelerators (the socket path runs steps on a thread of the worker, not
     yet verified on CUDA or NPU devices). Workers on other nodes must accept connections
     on an ephemeral port from the driver's node, as Ray's own worker ports do.
+    `trust_request_chat_template` lets a request bring its own chat template (the
+    chat_template field, or chat_template_kwargs.chat_template), as vLLM's
+    --trust-request-chat-template does; off, such a request is refused (a 400). A request's
+    template is the client's code: it renders in a bounded sandbox (cluster/template_sandbox.py).
     """
 
     model: str | None = None
@@ -107,6 +118,9 @@ class EngineConfig:
     restart_backoff_s: float = 1.0
     max_restart_backoff_s: float = 30.0
     replica_cooldown_s: float = 60.0
+    max_request_failures: int = 2
+    grammar_compile_timeout_s: float = 10.0
+    max_grammar_bytes: int = 64 * 1024
     max_waiting_requests: int = 4096
     start_timeout_s: float = 600.0
     enforce_eager: bool = False
@@ -114,6 +128,7 @@ class EngineConfig:
     generation_config: str = "auto"
     prepare_structured_output: bool = False
     step_channel: str = "auto"
+    trust_request_chat_template: bool = False
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -156,10 +171,14 @@ class EngineConfig:
         check_positive("restart_backoff_s", self.restart_backoff_s)
         check_positive("max_restart_backoff_s", self.max_restart_backoff_s)
         check_positive("replica_cooldown_s", self.replica_cooldown_s)
+        check_int("max_request_failures", self.max_request_failures, 1)
+        check_positive("grammar_compile_timeout_s", self.grammar_compile_timeout_s)
+        check_int("max_grammar_bytes", self.max_grammar_bytes, 1)
         check_int("max_waiting_requests", self.max_waiting_requests, 1)
         check_positive("start_timeout_s", self.start_timeout_s)
         check_bool("enforce_eager", self.enforce_eager)
         check_bool("prepare_structured_output", self.prepare_structured_output)
+        check_bool("trust_request_chat_template", self.trust_request_chat_template)
         if self.step_channel not in ("auto", *STEP_CHANNELS):
             raise ValueError(f"step_channel must be one of auto, {', '.join(STEP_CHANNELS)}; got {self.step_channel!r}")
         if self.generation_config not in GENERATION_CONFIG_MODES:

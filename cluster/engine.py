@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from cluster.chat_template import encode_prompt, render_chat
 from cluster.config import EngineConfig
 from cluster.detokenizer import IncrementalDetokenizer
-from cluster.errors import EngineDeadError, EngineOverloadedError
+from cluster.errors import EngineDeadError, EngineOverloadedError, RequestRefused
 from cluster.metrics import EngineMetrics
 from cluster.outputs import RequestMetrics, RequestOutput, StreamDelta, TokenLogprob
 from cluster.placement import cpu_worker_threads, create_replica_groups, release, worker_resources
@@ -33,6 +33,7 @@ from cluster.replica import Replica
 from cluster.router import Router
 from cluster.stream import RequestStream, deliver
 from scheduler.checks import all_ints_in, is_int
+from scheduler.protocol import check_token_ids
 from scheduler.request import FinishReason, Request, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -140,7 +141,7 @@ class Engine:
                             template_kwargs: dict | None = None) -> str:
         """The prompt text of a conversation (cluster/chat_template.py)."""
         self._need_tokenizer("chat messages")
-        return render_chat(self.tokenizer, messages, tools, template_kwargs)
+        return render_chat(self.tokenizer, messages, tools, template_kwargs, self.config.trust_request_chat_template)
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -187,23 +188,12 @@ class Engine:
             text, ids = prompt, list(prompt_token_ids)
         else:
             text, ids = self.tokenize(prompt)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}")
-        if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
-        bad_bias = [t for t in params.logit_bias or () if t >= self.vocab_size]
-        if bad_bias:
-            raise ValueError(f"logit_bias token id {bad_bias[0]} is outside the vocab [0, {self.vocab_size})")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens={params.max_tokens} plus the prompt's {len(ids)} tokens exceeds "
-                f"max_model_len={self.max_model_len}")
         request_id = request_id if request_id is not None else uuid.uuid4().hex
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        request = make_request(request_id, ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+                               eos_token_ids=self.eos_token_ids)
+        params = request.params
         if request_id in self._requests:  # checked again under the lock below
             raise ValueError(f"request_id {request_id!r} is already in use")
-        request = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids)
         pinned = self._groups.get(group) if group is not None else None
         try:
             replica = pinned[0] if pinned is not None and not pinned[0].dead else self._router.pick(self.replicas, ids)
@@ -222,6 +212,10 @@ class Engine:
             from workers.grammar import build_grammar
 
             self._need_tokenizer("structured output (a grammar)")
+            size, limit = len(params.grammar.text.encode()), self.config.max_grammar_bytes
+            if size > limit:
+                raise ValueError(f"grammar: the schema or grammar is {size} bytes, over the limit of {limit} "
+                                 "(max_grammar_bytes)")
             build_grammar(params.grammar)
         stream = sink if sink is not None else RequestStream(request_id, loop)
         detok = _NoText() if self.tokenizer is None else IncrementalDetokenizer(
@@ -259,9 +253,20 @@ class Engine:
         with self._lock:
             try:
                 for u in updates:
-                    self._on_update(replica, u, out)
+                    try:
+                        self._on_update(replica, u, out)
+                    except Exception as e:  # one request's output failed (its detokenizer, say): fail it alone
+                        self._fail_request(replica, u.request.request_id, e, out)
             finally:  # under the lock: an abort's last delta cannot overtake these
                 deliver(out)
+
+    def _fail_request(self, replica: Replica, request_id: str, error: Exception, out: list) -> None:
+        log.exception("request %s failed while its output was handled", request_id)
+        st = self._requests.get(request_id)
+        if st is not None:
+            self._finalize(st, FinishReason.ERROR, error=f"{type(error).__name__}: {error}",
+                           finish_time=time.monotonic(), out=out)
+        replica.post_finish(request_id, FinishReason.ERROR)  # the replica frees it before its next plan
 
     def _on_update(self, replica: Replica, u, out: list) -> None:
         st = self._requests.get(u.request.request_id)
@@ -308,6 +313,10 @@ class Engine:
             entry[1] -= 1
             if not entry[1]:
                 del self._groups[st.group]
+        if req.refused:  # its input cannot be served: the caller gets the error as bad input
+            refusal = RequestRefused(req.request_id, req.error)
+            st.stream.put(refusal) if out is None else out.append((st.stream, refusal))
+            return
         if st.detok.stop_reason is not None:
             st.stop_reason = st.detok.stop_reason
         elif st.token_ids and st.token_ids[-1] in req.params.stop_token_ids:
@@ -392,6 +401,26 @@ class Engine:
 
 
 _PER_REPLICA_ONLY = ("replica", "last_error_time", "retry_in_s")  # numbers that make no sense summed
+
+
+def make_request(request_id: str, ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
+                 eos_token_ids=frozenset()) -> Request:
+    """The Request the engine schedules for prompt `ids`, checked against the model: ValueError
+    naming the field when the prompt, max_tokens or a token id does not fit it. max_tokens None
+    becomes what fits in max_model_len."""
+    if not isinstance(request_id, str) or not request_id:
+        raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+    if not ids or not all_ints_in(ids, 0, vocab_size):
+        check_token_ids("prompt", ids or [None], vocab_size)
+    if len(ids) >= max_model_len:
+        raise ValueError(f"prompt has {len(ids)} tokens, but max_model_len is {max_model_len}")
+    if params.max_tokens is None:
+        params = dataclasses.replace(params, max_tokens=max_model_len - len(ids))
+    params.check_vocab(vocab_size)
+    if len(ids) + params.max_tokens > max_model_len:
+        raise ValueError(f"max_tokens={params.max_tokens} plus the prompt's {len(ids)} tokens exceeds "
+                         f"max_model_len={max_model_len}")
+    return Request(request_id, ids, params, eos_token_ids=eos_token_ids)
 
 
 class _NoText:

@@ -141,7 +141,13 @@ class Frontend:
     def _demux(self, entries: list) -> list:
         items = []
         with self._lock:
-            for rid, text, token_ids, reason, lps, final in entries:
+            for e in entries:
+                if len(e) == 4:  # refused after it was accepted (channel.refusal)
+                    entry = self._open.pop(e[0], None)
+                    if entry is not None:
+                        items.append((entry.stream, channel.refusal_error(*e[1:])))
+                    continue
+                rid, text, token_ids, reason, lps, final = e
                 entry = self._open.get(rid)
                 if entry is None:
                     continue

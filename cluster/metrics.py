@@ -41,6 +41,12 @@ class _StatsCollector:
             ("raylm_generation_tokens", "Tokens generated", "generated_tokens"),
             ("raylm_preemptions", "Requests preempted for recompute", "num_preemptions"),
             ("raylm_worker_restarts", "Worker actors restarted after a failure", "worker_restarts"),
+            ("raylm_step_loop_failures", "Failures of a replica's step loop itself (each repaired as a worker "
+             "failure)", "loop_failures"),
+            ("raylm_poisoned_requests", "Requests failed as the likely cause of repeated worker failures",
+             "poisoned_requests"),
+            ("raylm_grammars_refused", "Requests refused because their grammar failed or timed out compiling",
+             "grammars_refused"),
             ("raylm_bytes_pulled", "Bytes returned by workers", "bytes_pulled"),
             ("raylm_engine_steps", "Steps the workers returned", "steps_returned"),
             ("raylm_decode_steps", "Steps of decode rows only", "decode_steps"),

@@ -15,6 +15,7 @@ import threading
 import time
 
 import cluster.channel as channel
+from cluster.errors import RequestRefused
 from cluster.outputs import StreamDelta
 
 log = logging.getLogger(__name__)
@@ -38,13 +39,14 @@ class Outbox:
         self._items: list[StreamDelta] = []
         self._ready = asyncio.Event()
 
-    def put(self, delta: StreamDelta) -> None:  # replica threads: the engine's request sink
+    def put(self, delta: StreamDelta | RequestRefused) -> None:  # replica threads: the engine's request sink
+        """A delta, or the error of a request refused after it was accepted."""
         with self._lock:
             if self.closed:
                 return
             self._items.append(delta)
             first = len(self._items) == 1
-            if delta.finished:
+            if isinstance(delta, RequestRefused) or delta.finished:
                 self.requests.discard(delta.request_id)
         if first:
             try:
@@ -71,7 +73,8 @@ class Outbox:
         if items:
             self.batches += 1
             self.deltas += len(items)
-        return channel.pack([channel.delta_entry(d) for d in items])
+        return channel.pack([channel.refusal(d.request_id, d) if isinstance(d, RequestRefused)
+                             else channel.delta_entry(d) for d in items])
 
     def expired(self, now: float) -> bool:
         return not self.pulling and now - self.last_seen > self.lease_s

@@ -38,7 +38,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -53,6 +53,7 @@ from scheduler.request import FinishReason, Request, RequestUpdate
 from scheduler.scheduler import Scheduler
 from workers.actor import remote_worker
 from workers.grammar import CACHE_SIZE as GRAMMAR_CACHE_SIZE
+from workers.grammar import REFUSED_CACHE_SIZE
 from workers.runner_config import RunnerConfig
 from workers.step_channel import StepChannelError, StepClient, StepTimeout, WorkerStepError, collect
 
@@ -73,6 +74,19 @@ class ReplicaStats:
     worker_time_s: float = 0.0
     restarts: int = 0
     loop_iterations: int = 0  # passes of the driver loop; flat while idle (it blocks, never polls)
+    loop_failures: int = 0  # exceptions of the loop itself, each handled as a failure of the replica
+    grammars_refused: int = 0  # requests refused because their grammar failed or ran out of time compiling
+
+
+@dataclass(eq=False)
+class _GrammarCompile:
+    """A grammar the workers are compiling, and the requests that wait for it (none scheduled yet)."""
+
+    deadline: float  # monotonic: past it, the waiting requests are refused
+    generation: int  # the worker generation asked; answers from an older one are stale
+    requests: list = field(default_factory=list)
+    pending: int = 0  # ranks that have not answered
+    error: str | None = None  # the first rank's refusal
 
 
 class Replica:
@@ -86,9 +100,15 @@ class Replica:
         self._host_sampler = None  # host-logits mode: this replica's own Sampler (start() makes it)
         self._depth = config.pipeline_depth_for(runner_config.device_outputs)
         self._lock = threading.Lock()  # guards the scheduler
-        # grammars sent ahead to this worker generation, newest last: as many as a worker keeps compiled
-        self._prefetched: OrderedDict[GrammarSpec, None] = OrderedDict()
+        # grammars this worker generation compiled, newest last: as many as a worker keeps compiled
+        self._compiled: OrderedDict[GrammarSpec, None] = OrderedDict()
+        self._compiling: dict[GrammarSpec, _GrammarCompile] = {}  # asked of the workers, not answered yet
+        # grammars refused (invalid, or over the compile time), newest last: the same spec is refused at once
+        self._refused: OrderedDict[GrammarSpec, str] = OrderedDict()
+        self._generation = 0  # bumped at every worker (re)start
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (request_id, FinishReason) to finish
+        self._compiled_inbox: queue.SimpleQueue = queue.SimpleQueue()  # (spec, generation, error) from workers
+        self._refusals: list[RequestUpdate] = []  # refused while waiting for a grammar; emitted by the loop
         self._wakeup = threading.Event()
         self._stopping = False
         self._stopped = threading.Event()  # interrupts backoff and cool-down waits
@@ -113,13 +133,13 @@ class Replica:
         self.scheduler = Scheduler(self.config.scheduler_config(
             num_blocks=self.info["num_kv_blocks"], max_model_len=self.info["max_model_len"]))
         self.health_state.on_up()
-        self._thread = threading.Thread(target=self._loop, name=f"raylm-replica-{self.index}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"raylm-replica-{self.index}", daemon=True)
         self._thread.start()
 
     @property
     def dead(self) -> bool:
-        """Not routable: it gave up (cooling down before a retry) or was shut down."""
-        return not self.health_state.routable
+        """Not routable: it gave up (cooling down before a retry), was shut down, or its loop ended."""
+        return not self.health_state.routable or self.loop_stopped
 
     @property
     def worker(self):
@@ -140,8 +160,6 @@ class Replica:
             timeout = max(cfg.step_timeout_s, cfg.start_timeout_s)
             parallel = [dict(rank=r, world_size=tp, master_addr=address, master_port=port, timeout_s=timeout)
                         for r in range(tp)]
-        with self._lock:  # new workers have compiled nothing
-            self._prefetched.clear()
         self.workers = workers  # set before start: a failed start is killed by _kill_worker
         config = dataclasses.asdict(self._runner_config)  # a plain dict crosses to the actor
         infos = ray.get([w.start.remote(config, p) for w, p in zip(workers, parallel)], timeout=cfg.start_timeout_s)
@@ -149,6 +167,17 @@ class Replica:
         if all(channels):  # appended one by one: a failed connect leaves the others for _kill_worker
             for c in channels:
                 self.channels.append(StepClient(c["host"], c["port"], c["token"], timeout=cfg.start_timeout_s))
+        with self._lock:  # new workers have compiled nothing: ask them for what is waiting or running
+            self._generation += 1
+            self._compiled.clear()
+            for spec, c in self._compiling.items():
+                c.generation, c.pending, c.error = self._generation, 0, None
+                self._send_compile(spec, c)
+            if self.scheduler is not None:  # recomputed requests: compiled before their steps where time allows
+                for spec in {r.params.grammar for r in self.scheduler.requests() if r.params.grammar is not None}:
+                    self._compiled[spec] = None
+                    for w in workers:
+                        w.prefetch_grammar.remote(spec)
         info = dict(infos[0])
         info["step_channel"] = "socket" if self.channels else "ray"
         info["ranks"] = [{k: i[k] for k in ("pid", "node_id", "visible_devices")} for i in infos]
@@ -177,31 +206,50 @@ class Replica:
 
     # ---- requests (any thread) ----
     def add(self, request: Request) -> None:
-        """Queue `request`; raises (ValueError, EngineDeadError) when it cannot be served here."""
+        """Queue `request`; raises (ValueError, EngineDeadError) when it cannot be served here.
+        A request whose grammar this worker generation has not compiled waits outside the
+        scheduler until the workers have compiled it (off their step path), and is refused if
+        they cannot within `grammar_compile_timeout_s`: only it waits, never a step."""
         with self._lock:
             if self.dead:
                 raise EngineDeadError(f"replica {self.index} is down: its worker failed beyond the restart budget "
                                       f"(retry in {self.health_state.cooldown_left():.0f} s)")
-            self.scheduler.add_request(request)
-            workers = self.workers
             grammar = request.params.grammar
-            prefetch = grammar is not None and self._note_prefetch(grammar)
+            if grammar is None or grammar in self._compiled:
+                self.scheduler.add_request(request)
+                if grammar is not None:
+                    self._compiled.move_to_end(grammar)
+            else:
+                refused = self._refused.get(grammar)
+                if refused is not None:
+                    self.stats.grammars_refused += 1
+                    raise ValueError(refused)
+                self.scheduler.check_request(request)
+                compile_ = self._compiling.get(grammar)
+                if compile_ is None:
+                    deadline = time.monotonic() + self.config.grammar_compile_timeout_s
+                    compile_ = self._compiling[grammar] = _GrammarCompile(deadline, self._generation)
+                    self._send_compile(grammar, compile_)
+                compile_.requests.append(request)
         self._wakeup.set()
-        if prefetch:  # compiled on the worker while the request waits
-            for w in workers:
-                w.prefetch_grammar.remote(grammar)
 
-    def _note_prefetch(self, grammar: GrammarSpec) -> bool:
-        """Whether `grammar` still needs sending ahead (lock held): not when it was sent to these workers
-        among the last GRAMMAR_CACHE_SIZE, which the worker's cache of that size still holds (each
-        grammar passes here, so this order follows the worker's; a miss only costs the step its compile)."""
-        if grammar in self._prefetched:
-            self._prefetched.move_to_end(grammar)
-            return False
-        self._prefetched[grammar] = None
-        if len(self._prefetched) > GRAMMAR_CACHE_SIZE:
-            self._prefetched.popitem(last=False)
-        return True
+    def _send_compile(self, spec: GrammarSpec, compile_: _GrammarCompile) -> None:
+        """Ask every rank to compile `spec` (lock held); their answers arrive in _compiled_inbox."""
+        generation = compile_.generation
+        compile_.pending = len(self.workers)
+        deadline = time.time() + compile_.deadline - time.monotonic()  # wall clock: the worker may be elsewhere
+        for w in self.workers:
+            ref = w.prefetch_grammar.remote(spec, deadline)
+            ref.future().add_done_callback(lambda f, spec=spec: self._on_compiled(spec, generation, f))
+
+    def _on_compiled(self, spec: GrammarSpec, generation: int, future) -> None:
+        """A rank answered (any thread): post it to the loop."""
+        try:
+            error = future.result()
+        except Exception as e:  # the worker died: its replacement is asked again
+            error = e
+        self._compiled_inbox.put((spec, generation, error))
+        self._wakeup.set()
 
     def post_finish(self, request_id: str, reason: FinishReason) -> None:
         """Ask the loop to finish a request (an abort, a stop string): a message, applied
@@ -220,11 +268,28 @@ class Replica:
             return self.scheduler.cached_prefix_tokens(token_ids)
 
     def num_waiting(self) -> int:
+        """Requests waiting to be scheduled, those waiting for their grammar included."""
         with self._lock:
             self._drain_inbox()
-            return self.scheduler.num_waiting
+            return self.scheduler.num_waiting + sum(len(c.requests) for c in self._compiling.values())
 
     # ---- the loop (its own thread) ----
+    def _run(self) -> None:
+        """The loop thread. An exception of the loop itself is a failure of the replica, not the
+        silent end of its thread: it is logged, counted (stats, health, /metrics) and repaired
+        as a failed worker is (a new worker; the unfinished requests recomputed)."""
+        while not self._stopping:
+            try:
+                self._loop()
+            except Exception as e:
+                log.exception("replica %d: the step loop failed; restarting its worker", self.index)
+                self.stats.loop_failures += 1
+                try:
+                    self._recover(e)
+                except Exception:  # the repair itself failed: try again after a pause
+                    log.exception("replica %d: recovering from a loop failure failed", self.index)
+                    self._stopped.wait(self.config.restart_backoff_s)
+
     def _loop(self) -> None:
         inflight: deque = deque()  # (plan, ObjectRef)
         while not self._stopping:
@@ -240,10 +305,13 @@ class Replica:
                     if plan is None:
                         break
                     planned.append(plan)
+                refusals, self._refusals = self._refusals, []
+            if refusals:
+                self._emit(self, refusals)
             for plan in planned:  # unlocked: a plan bigger than the socket's buffer waits for the worker to read it
                 inflight.append((plan, self._dispatch(plan.to_bytes())))
             if not inflight:
-                self._wakeup.wait()
+                self._wakeup.wait(self._next_grammar_deadline())
                 self._wakeup.clear()
                 continue
             plan, refs = inflight.popleft()
@@ -302,8 +370,67 @@ class Replica:
             try:
                 request_id, reason = self._inbox.get_nowait()
             except queue.Empty:
-                return
-            self.scheduler.finish(request_id, reason)  # None when it had finished already
+                break
+            if self.scheduler.finish(request_id, reason) is None and self._compiling:
+                self._drop_held(request_id)
+        if self._compiling:
+            self._drain_compiled()
+
+    def _drop_held(self, request_id: str) -> None:
+        """Forget a request that waits for its grammar (it was aborted)."""
+        for c in self._compiling.values():
+            c.requests = [r for r in c.requests if r.request_id != request_id]
+
+    def _drain_compiled(self) -> None:
+        """Schedule the requests whose grammar every rank compiled; refuse those whose grammar
+        a rank refused or that waited past the compile deadline (lock held)."""
+        while True:
+            try:
+                spec, generation, error = self._compiled_inbox.get_nowait()
+            except queue.Empty:
+                break
+            c = self._compiling.get(spec)
+            if c is None or generation != c.generation or isinstance(error, BaseException):
+                continue  # stale, or a dead worker's: its replacement was asked again
+            c.pending -= 1
+            c.error = c.error or error
+            if c.pending == 0:
+                del self._compiling[spec]
+                if c.error is None:
+                    self._compiled[spec] = None
+                    self._forget_oldest(self._compiled, GRAMMAR_CACHE_SIZE)
+                    for req in c.requests:
+                        self.scheduler.add_request(req)
+                else:
+                    self._refuse(spec, c, f"grammar: {c.error}")
+        now = time.monotonic()
+        for spec, c in list(self._compiling.items()):
+            if now >= c.deadline:
+                del self._compiling[spec]
+                self._refuse(spec, c, f"grammar: not compiled within grammar_compile_timeout_s="
+                                      f"{self.config.grammar_compile_timeout_s:g} s; simplify the schema or grammar")
+
+    def _refuse(self, spec: GrammarSpec, c: _GrammarCompile, message: str) -> None:
+        self._refused[spec] = message
+        self._forget_oldest(self._refused, REFUSED_CACHE_SIZE)
+        now = time.monotonic()
+        for req in c.requests:
+            req.refuse(message, now)
+        self.stats.grammars_refused += len(c.requests)
+        self._refusals.extend(RequestUpdate(r, [], [], True) for r in c.requests)
+        self._wakeup.set()
+
+    @staticmethod
+    def _forget_oldest(cache: OrderedDict, size: int) -> None:
+        while len(cache) > size:
+            cache.popitem(last=False)
+
+    def _next_grammar_deadline(self) -> float | None:
+        """Seconds until the nearest compile deadline; None when nothing compiles."""
+        with self._lock:
+            if not self._compiling:
+                return None
+            return max(0.0, min(c.deadline for c in self._compiling.values()) - time.monotonic())
 
     def _apply(self, plan, data: bytes) -> list[RequestUpdate]:
         result = StepResult.from_bytes(data)
@@ -351,8 +478,12 @@ class Replica:
                 continue
             with self._lock:
                 self._drain_inbox()
-                self.scheduler.recover()
+                poisoned = self.scheduler.recover(self.config.max_request_failures)
             self.health_state.on_up()
+            if poisoned:
+                log.error("replica %d: failed %s: on the worker at %d worker failures in a row", self.index,
+                          [r.request_id for r in poisoned], self.config.max_request_failures)
+                self._emit(self, [RequestUpdate(r, [], [], True) for r in poisoned])
             return
 
     def _give_up(self, message: str) -> None:
@@ -389,7 +520,15 @@ class Replica:
             return {"error": str(e)}
 
     def health(self) -> dict:
-        return self.health_state.describe()
+        h = self.health_state.describe()
+        if self.loop_stopped:  # not even the loop's own handler ran: nothing will serve or repair it
+            h.update(state="failed", last_error=h["last_error"] or "the replica's step loop is not running")
+        return h
+
+    @property
+    def loop_stopped(self) -> bool:
+        """The loop thread ended although the replica was not shut down."""
+        return self._thread is not None and not self._thread.is_alive() and not self._stopping
 
     def snapshot(self) -> dict:
         with self._lock:
@@ -397,7 +536,7 @@ class Replica:
             sched = self.scheduler.stats()
         s = self.stats
         return {
-            **self.health_state.describe(),
+            **self.health(),
             "alive": not self.dead,
             **sched,
             "steps_returned": s.steps,
@@ -408,5 +547,7 @@ class Replica:
             "worker_time_s": s.worker_time_s,
             "worker_restarts": s.restarts,
             "loop_iterations": s.loop_iterations,
+            "loop_failures": s.loop_failures,
+            "grammars_refused": s.grammars_refused,
             "info": self.info,
         }

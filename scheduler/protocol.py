@@ -43,6 +43,14 @@ MAX_LOGPROBS = 20  # top-n logprobs a request may ask for (SamplingParams.logpro
 MAX_LOGIT_BIAS = 300  # entries one request's logit_bias may hold (OpenAI's own limit)
 PENALTY_RANGE = 2.0  # presence_penalty and frequency_penalty lie in [-PENALTY_RANGE, PENALTY_RANGE]
 BIAS_RANGE = 100.0  # a logit_bias value lies in [-BIAS_RANGE, BIAS_RANGE]
+# What the wire and the device carry. Seeds are 64-bit signed, as OpenAI and vLLM take them (msgpack
+# refuses anything wider, and the row seed mixes 64 bits); token ids and top_k travel as int32.
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
+TOKEN_ID_LIMIT = 1 << 31  # token ids lie in [0, TOKEN_ID_LIMIT); the engine narrows that to the vocab
+FLOAT32_MAX = 3.4028234663852886e38  # temperature is staged as float32: anything larger would become inf
+# repetition_penalty divides positive logits and multiplies negative ones in float32: outside this
+# range a logit overflows to inf (or the factor to 0), and the row's distribution turns into NaN
+REPETITION_PENALTY_RANGE = (1e-3, 1e3)
 
 if array("i").itemsize != 4 or sys.byteorder != "little":  # pragma: no cover
     raise ImportError("raylm's protocol assumes a little-endian platform with 32-bit C ints")
@@ -59,24 +67,35 @@ def pack_int32(values) -> bytes:
 def check_sampling(p) -> None:
     """ValueError naming the field of a sampling parameter out of its range. `p` is a
     SamplingParams (checked when the user builds it) or a WorkerSampling (checked when a
-    worker admits the request it arrives with); both name these fields alike."""
-    if not is_number(p.temperature) or p.temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0, got {p.temperature!r}")
-    if not is_int(p.top_k) or p.top_k < -1:
-        raise ValueError(f"top_k must be an integer >= -1 (-1 or 0 disables), got {p.top_k!r}")
+    worker admits the request it arrives with); both name these fields alike. The ranges are
+    what the wire and the sampler's float32 arithmetic carry, so an accepted value always
+    encodes, decodes on the worker and samples."""
+    if not is_number(p.temperature) or not 0 <= p.temperature <= FLOAT32_MAX:
+        raise ValueError(f"temperature must be a finite number in [0, {FLOAT32_MAX:.4g}], got {p.temperature!r}")
+    if not is_int(p.top_k) or not -1 <= p.top_k < TOKEN_ID_LIMIT:
+        raise ValueError(f"top_k must be an integer in [-1, {TOKEN_ID_LIMIT - 1}] (-1 or 0 disables), got {p.top_k!r}")
     if not is_number(p.top_p) or not 0 < p.top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {p.top_p!r}")
     if not is_number(p.min_p) or not 0 <= p.min_p <= 1:
         raise ValueError(f"min_p must be in [0, 1], got {p.min_p!r}")
-    if p.seed is not None and not is_int(p.seed):
-        raise ValueError(f"seed must be an integer or None, got {p.seed!r}")
+    if p.seed is not None and (not is_int(p.seed) or not SEED_RANGE[0] <= p.seed <= SEED_RANGE[1]):
+        raise ValueError(f"seed must be a 64-bit integer (in [-2**63, 2**63 - 1]) or None, got {p.seed!r}")
     check_int("logprobs", p.logprobs, 0, MAX_LOGPROBS, optional=True)
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(p, name)
         if not is_number(value) or not -PENALTY_RANGE <= value <= PENALTY_RANGE:
             raise ValueError(f"{name} must be a number in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}], got {value!r}")
-    if not is_number(p.repetition_penalty) or p.repetition_penalty <= 0:
-        raise ValueError(f"repetition_penalty must be a number > 0 (1 disables), got {p.repetition_penalty!r}")
+    low, high = REPETITION_PENALTY_RANGE
+    if not is_number(p.repetition_penalty) or not low <= p.repetition_penalty <= high:
+        raise ValueError(f"repetition_penalty must be a number in [{low:g}, {high:g}] (1 disables), "
+                         f"got {p.repetition_penalty!r}")
+
+
+def check_token_ids(name: str, ids, limit: int = TOKEN_ID_LIMIT) -> None:
+    """ValueError unless `ids` are integers in [0, limit), naming the field and the first bad id."""
+    if not all(is_int(t) and 0 <= t < limit for t in ids):
+        bad = next(t for t in ids if not (is_int(t) and 0 <= t < limit))
+        raise ValueError(f"{name} must be token ids in [0, {limit}), got {bad!r} in {list(ids)!r:.100}")
 
 
 def normalize_logit_bias(value) -> dict[int, float] | None:
@@ -91,9 +110,9 @@ def normalize_logit_bias(value) -> dict[int, float] | None:
         raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(value)}")
     out: dict[int, float] = {}
     for key, bias in value.items():
-        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
-        if not is_int(token) or token < 0:
-            raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 12 else key
+        if not is_int(token) or not 0 <= token < TOKEN_ID_LIMIT:
+            raise ValueError(f"logit_bias keys must be token ids (integers in [0, {TOKEN_ID_LIMIT})), got {key!r:.40}")
         if not is_number(bias) or not -BIAS_RANGE <= bias <= BIAS_RANGE:
             raise ValueError(f"logit_bias values must be numbers in [-{BIAS_RANGE:g}, {BIAS_RANGE:g}], "
                              f"got {bias!r} for token {token}")
@@ -184,9 +203,8 @@ class WorkerSampling:
     def check(self) -> None:
         """ValueError naming the field that is out of range (the worker admits nothing else)."""
         check_sampling(self)
-        check_int("ban_until", self.ban_until, 0)
-        if not all(is_int(t) and t >= 0 for t in self.banned_ids):
-            raise ValueError(f"banned_ids must be non-negative integers, got {self.banned_ids!r}")
+        check_int("ban_until", self.ban_until, 0, TOKEN_ID_LIMIT)
+        check_token_ids("banned_ids", self.banned_ids)
         if not all(isinstance(e, tuple) and len(e) == 2 for e in self.logit_bias):
             raise ValueError(f"logit_bias must be (token id, bias) pairs, got {self.logit_bias!r:.80}")
         ids = [t for t, _ in self.logit_bias]
@@ -195,7 +213,7 @@ class WorkerSampling:
         normalize_logit_bias(dict(self.logit_bias))
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise ValueError(f"grammar must be a GrammarSpec or None, got {self.grammar!r:.80}")
-        check_int("grammar_start", self.grammar_start, 0)
+        check_int("grammar_start", self.grammar_start, 0, TOKEN_ID_LIMIT)
 
     def _encode(self) -> list:
         g = self.grammar

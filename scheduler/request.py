@@ -15,6 +15,7 @@ from scheduler.protocol import (  # noqa: F401  (MAX_LOGPROBS, MAX_LOGIT_BIAS: r
     MAX_LOGPROBS,
     WorkerSampling,
     check_sampling,
+    check_token_ids,
     normalize_logit_bias,
 )
 
@@ -94,14 +95,19 @@ class SamplingParams:
         self.stop = self._normalize_stop(self.stop)
         if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
-        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        check_token_ids("stop_token_ids", self.stop_token_ids)
         self.stop_token_ids = tuple(self.stop_token_ids)
         check_bool("ignore_eos", self.ignore_eos)
         check_bool("skip_special_tokens", self.skip_special_tokens)
         check_int("n", self.n, 1, MAX_N)
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise ValueError(f"grammar must be a GrammarSpec or None, got {self.grammar!r:.80}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError naming the field when a token id it names is outside a model's vocab (the engine
+        checks this where it knows the vocab; the worker would have to refuse the request)."""
+        check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
+        check_token_ids("logit_bias token id", list(self.logit_bias or ()), vocab_size)
 
     def choice(self, index: int) -> SamplingParams:
         """The params of choice `index` alone: n=1 and that choice's seed."""
@@ -174,6 +180,12 @@ class Request:
     error: str | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, last admission
+    # failures of its replica's worker while it was on the worker, since a token of it was last sampled:
+    # a request at max_request_failures is failed as the likely cause (a poison pill)
+    num_failures: int = 0
+    # finished with ERROR because its own input cannot be served (e.g. its grammar does not compile):
+    # callers get the error as bad input (ValueError, HTTP 400), not as a failed generation
+    refused: bool = False
 
     # timings (time.monotonic): TTFT = first_token_time - arrival_time
     first_scheduled_time: float | None = None
@@ -213,6 +225,12 @@ class Request:
             raise ValueError(f"params.max_tokens must be set before scheduling (request {self.request_id!r}); "
                              "the engine resolves None to what fits in max_model_len")
         self.eos_token_ids = frozenset(self.eos_token_ids)
+
+    def refuse(self, message: str, now: float) -> None:
+        """Finish a request the scheduler never ran, because its input cannot be served."""
+        self.status, self.finish_reason, self.error, self.refused = RequestStatus.FINISHED, FinishReason.ERROR, \
+            message, True
+        self.finish_time = now
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -66,9 +66,21 @@ class Scheduler:
         # chain hash -> the running request computing that full block (not yet published)
         self._claims: dict[bytes, Request] = {}
         self._num_prefix_waits = 0
+        self._num_suspects = 0  # unfinished requests with num_failures > 0 (admitted one at a time)
+        self._num_poisoned = 0  # requests failed as the likely cause of repeated worker failures
 
     # ---- intake -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        self.check_request(request)
+        request.arrival_seq = self._num_arrivals
+        self._num_arrivals += 1
+        self._reset_bookkeeping(request)
+        self._requests[request.request_id] = request
+        self._waiting.push(request)
+
+    def check_request(self, request: Request) -> None:
+        """ValueError when add_request would refuse `request`: a duplicate id, no room in
+        max_model_len or in the pool, sampling a worker would refuse. Builds its WorkerSampling."""
         rid, cfg = request.request_id, self.config
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already scheduled")
@@ -83,14 +95,10 @@ class Scheduler:
                 f"request {rid!r} has {n} tokens: {n + 1} tokens need {-(-(n + 1) // cfg.block_size)} blocks "
                 f"of {cfg.block_size}, the pool has {cfg.num_blocks}"
             )
-        request.arrival_seq = self._num_arrivals
-        self._num_arrivals += 1
-        request.worker_sampling = WorkerSampling.from_params(
-            request.params, request.num_prompt_tokens, request.eos_token_ids
-        )
-        self._reset_bookkeeping(request)
-        self._requests[rid] = request
-        self._waiting.push(request)
+        if request.worker_sampling is None:
+            request.worker_sampling = WorkerSampling.from_params(
+                request.params, request.num_prompt_tokens, request.eos_token_ids)
+            request.worker_sampling.check()  # what a worker would refuse, refused here, naming the field
 
     # ---- planning -----------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
@@ -188,11 +196,16 @@ class Scheduler:
     def _admit(self, step: Step) -> None:
         bm, bs = self.block_manager, self.config.block_size
         waiting = self._waiting
-        passed: list[Request] = []  # waiting for a claimed block: back to the queue's front after
+        passed: list[Request] = []  # waiting for a claimed block or its turn: back to the queue's front after
+        suspect_running = self._num_suspects > 0 and any(r.num_failures for r in self._running)
         while waiting and step.budget and self._slots.num_free:
             req = waiting.peek()
             if req.num_inflight_samples:
                 break  # preempted with tokens in flight: its token list is not complete yet
+            if req.num_failures and suspect_running:
+                waiting.remove(req)  # on the worker at a failure: one such request at a time, to tell who it was
+                passed.append(req)
+                continue
             tokens = req.all_token_ids
             total = len(tokens)
             max_hits = (total - 1) // bs
@@ -222,6 +235,7 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             insort(self._running, req, key=_arrival)
+            suspect_running = suspect_running or req.num_failures > 0
             step.new_requests.append(NewRequest(req.slot, tokens, hit_tokens, list(req.block_ids), req.worker_sampling,
                                                 req.num_prompt_tokens))
             step.add_prefill_row(req, n, [])
@@ -266,6 +280,9 @@ class Scheduler:
             if position != len(req.prompt_token_ids) + len(req.output_token_ids):
                 raise RuntimeError(f"request {req.request_id!r}: token for position {position} arrived out of order")
             req.num_inflight_samples -= 1
+            if req.num_failures:  # it was sampled: it did not take the worker down
+                req.num_failures = 0
+                self._num_suspects -= 1
             token = ids[k]
             new_logprobs = []
             if req.params.logprobs is not None:
@@ -327,9 +344,32 @@ class Scheduler:
             self._finish(req, FinishReason.ERROR, now)
         return failed
 
-    def recover(self) -> None:
+    def recover(self, max_failures: int = 0) -> list[Request]:
         """The worker lost all its state: forget in-flight steps, the pool, the cache and the
-        slots; every unfinished request waits again, in arrival order, to be recomputed."""
+        slots; every unfinished request waits again, in arrival order, to be recomputed.
+
+        With `max_failures` > 0 the failure counts against the requests that were on the worker:
+        one that reaches `max_failures` failures in a row (no token of it sampled in between) is
+        finished with ERROR and returned, so a request that kills every worker it reaches is not
+        replayed forever; the others wait again, and those with a failure on their record are
+        admitted one at a time, so an innocent one is not on the worker when the culprit strikes."""
+        failed = []
+        if max_failures > 0:
+            now = time.monotonic()
+            for req in list(self._running):
+                if not req.num_failures:
+                    self._num_suspects += 1
+                req.num_failures += 1
+                if req.num_failures >= max_failures:
+                    req.error = (f"request {req.request_id!r} was on the worker at {req.num_failures} failures of "
+                                 "it in a row; failed as their likely cause (max_request_failures)")
+                    self._finish(req, FinishReason.ERROR, now)
+                    self._num_poisoned += 1
+                    failed.append(req)
+        self._recover_state()
+        return failed
+
+    def _recover_state(self) -> None:
         self._inflight.clear()
         self.block_manager.reset()
         self._claims.clear()
@@ -342,6 +382,8 @@ class Scheduler:
             self._waiting.push(req)
 
     def _finish(self, req: Request, reason: FinishReason, now: float) -> None:
+        if req.num_failures:
+            self._num_suspects -= 1
         if req.status is RUNNING:
             self._running.remove(req)
             self._release(req, preempted=False)
@@ -387,6 +429,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    def requests(self) -> list[Request]:
+        """The unfinished requests, in arrival order."""
+        return list(self._requests.values())
+
     def get_request(self, request_id: str) -> Request | None:
         """An unfinished request by id (finished ones are not kept)."""
         return self._requests.get(request_id)
@@ -419,7 +465,9 @@ class Scheduler:
     def stats(self) -> dict:
         """Counters since start. prompt_tokens: tokens computed by prefill rows (recomputation
         included, prefix-cache hits not); generated_tokens: tokens appended by update();
-        prefix_waits: times an admission waited for a block another request was computing."""
+        prefix_waits: times an admission waited for a block another request was computing;
+        poisoned_requests: failed by recover() as the likely cause of repeated worker failures;
+        suspect_requests: unfinished ones with a worker failure on their record."""
         bm = self.block_manager
         return {
             "steps": self._num_steps,
@@ -434,4 +482,6 @@ class Scheduler:
             "prefix_waits": self._num_prefix_waits,
             "num_running": len(self._running),
             "num_waiting": len(self._waiting),
+            "poisoned_requests": self._num_poisoned,
+            "suspect_requests": self._num_suspects,
         }

@@ -20,6 +20,7 @@ import functools
 import importlib
 import os
 import socket
+import time
 
 import ray
 
@@ -79,10 +80,17 @@ class WorkerActor:
         result = self.runner.execute(StepPlan.from_bytes(plan_bytes))
         return result.to_bytes() if self.parallel.is_first else b""  # only rank 0's result is pulled
 
-    def prefetch_grammar(self, spec) -> bool:
-        """Compile an arriving request's grammar before its step asks for it: on this actor's
-        thread, beside the step channel's (with Ray calls for steps, between them)."""
-        return self.runner is not None and self.runner.grammars.prefetch(spec)
+    @ray.method(concurrency_group="grammar")
+    def prefetch_grammar(self, spec, deadline: float | None = None) -> str | None:
+        """Compile an arriving request's grammar before the driver schedules it: on threads of
+        their own, beside the steps (the step channel's thread, or Ray calls to `execute`), so a
+        slow compile holds only its own request. None once compiled, else why it cannot be.
+        `deadline` (Unix time): the driver's; a compile that waited in the queue past it is skipped."""
+        if self.runner is None:
+            return "the worker is not started"
+        if deadline is not None and time.time() > deadline:
+            return "not compiled: its deadline passed while other grammars compiled"
+        return self.runner.grammars.prefetch(spec)
 
     def stats(self) -> dict:
         return self.runner.stats() if self.runner is not None else {}
@@ -99,12 +107,13 @@ class WorkerActor:
 
 
 WORKER_ACTOR_ENV = "RAYLM_WORKER_ACTOR"
+GRAMMAR_THREADS = 2  # grammars compiled at once per worker: one slow compile does not hold the next
 
 
 @functools.cache
 def _as_remote(cls: type):
     # Restarts are the engine's job (it must rebuild scheduler state), so Ray's are off.
-    return ray.remote(max_restarts=0, max_task_retries=0)(cls)
+    return ray.remote(max_restarts=0, max_task_retries=0, concurrency_groups={"grammar": GRAMMAR_THREADS})(cls)
 
 
 def remote_worker():

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from scheduler.grammar_spec import GrammarSpec
 
 CACHE_SIZE = 64  # compiled grammars kept per worker
+REFUSED_CACHE_SIZE = 256  # grammars a replica remembers refusing, so a repeat is refused without a compile
 COMPILE_THREADS = min(8, os.cpu_count() or 1)  # a large vocab's first compile is the slow part
 
 

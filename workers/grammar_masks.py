@@ -111,19 +111,16 @@ class GrammarMasks:
         log.info("structured output prepared in %.2f s", time.perf_counter() - t0)
         return True
 
-    def prefetch(self, spec) -> bool:
-        """Compile `spec` now, ahead of the step that admits its request (which then finds it
-        cached), where the compiler is ready; whether it is compiled. Best effort: a spec that
-        fails is left to that step to refuse."""
+    def prefetch(self, spec) -> str | None:
+        """Compile `spec` ahead of the step that admits its request (which then finds it cached),
+        building the compiler first if need be; None once compiled, else why it cannot be (the
+        driver refuses the request with that reason). Runs beside the steps, never in one."""
         self.num_prefetches += 1
-        if self.cache is None:  # lazy structured output: the first grammar's step builds the compiler
-            return False
         try:
-            self.cache.compiled(spec)
-        except Exception as e:  # noqa: BLE001 - the step reports it, with the request's slot
-            log.debug("grammar prefetch failed: %s: %s", type(e).__name__, e)
-            return False
-        return True
+            self._compiler().compiled(spec)
+        except ValueError as e:  # an invalid spec, no tokenizer, no xgrammar: the request's own fault
+            return str(e)
+        return None
 
     def stats(self) -> dict:
         return {"ready": self.cache is not None, "compiled": 0 if self.cache is None else self.cache.num_compiled,

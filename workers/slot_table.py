@@ -107,10 +107,11 @@ class SlotTable:
             req.sampling.check()
         except ValueError as e:
             raise ValueError(f"new request for slot {slot}: {e}") from None
-        bad_bias = [t for t, _ in req.sampling.logit_bias if t >= self.vocab_size]
-        if bad_bias:
-            raise ValueError(f"new request for slot {slot}: logit_bias token id {bad_bias[0]} is outside "
-                             f"[0, {self.vocab_size})")
+        for name, ids in (("logit_bias token id", [t for t, _ in req.sampling.logit_bias]),
+                          ("banned id", req.sampling.banned_ids)):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"new request for slot {slot}: {name} {bad[0]} is outside [0, {self.vocab_size})")
         num_prompt = len(req.token_ids) if req.num_prompt is None else req.num_prompt
         if not is_int(num_prompt) or not 1 <= num_prompt <= len(req.token_ids):
             raise ValueError(f"new request for slot {slot}: num_prompt {req.num_prompt!r} must be in "

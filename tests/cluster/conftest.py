@@ -77,7 +77,7 @@ def served_engine(ray_session, request):
     default layout, the HTTP server inside the engine actor).
 
     A module tunes it with a SERVED dict: api_key (None), max_body_bytes (the server's
-    default), num_kv_blocks (64). Yields {"base": the server's URL, "state": its
+    default), num_kv_blocks (64), engine (more EngineConfig fields, {}). Yields {"base": the server's URL, "state": its
     ServerState, "loading_status": /health's status before the engine was up, "name": the
     engine actor's name, for cluster.connect}."""
     import uvicorn
@@ -87,10 +87,10 @@ def served_engine(ray_session, request):
     from cluster.server import DEFAULT_MAX_BODY_BYTES, ServerState, build_app
 
     opts = {"api_key": None, "max_body_bytes": DEFAULT_MAX_BODY_BYTES, "num_kv_blocks": 64,
-            **getattr(request.module, "SERVED", {})}
+            "engine": {}, **getattr(request.module, "SERVED", {})}
     name = "served-" + request.module.__name__.rsplit(".", 1)[-1].replace("_", "-")
-    actor, started = launch_detached(cluster.EngineConfig(num_kv_blocks=opts["num_kv_blocks"], threads_per_worker=1),
-                                     name)
+    config = cluster.EngineConfig(num_kv_blocks=opts["num_kv_blocks"], threads_per_worker=1, **opts["engine"])
+    actor, started = launch_detached(config, name)
     state = ServerState([SERVED_MODEL], opts["api_key"])
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(build_app(state, max_body_bytes=opts["max_body_bytes"]), host="127.0.0.1",
@@ -130,8 +130,10 @@ def aborted_requests(server) -> float:
 
 
 def finished_requests(server, reason: str) -> float:
-    """How many requests the served engine has finished with `reason` (its /metrics)."""
-    text = httpx.get(server["base"] + "/metrics").text
+    """How many requests the served engine has finished with `reason` (its /metrics, which
+    needs the API key when the server has one)."""
+    key = getattr(server["state"], "api_key", None)
+    text = httpx.get(server["base"] + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {}).text
     for ln in text.splitlines():
         if ln.startswith(f'raylm_requests_total{{finish_reason="{reason}"}}'):
             return float(ln.split(" ")[1])

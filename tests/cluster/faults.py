@@ -78,3 +78,39 @@ def wait_for_tokens(llm, n=1, timeout=60):
 
 GREEDY = SamplingParams(max_tokens=N, temperature=0)
 SEEDED = SamplingParams(max_tokens=N, temperature=1.0, top_k=50, seed=1234)
+
+
+# ---- poison pills: workers that fail on one request's input, however often it comes back ----
+POISON_TOKEN = 1999  # a prompt holding this id is the poison pill (the tiny model's vocab is 2,048)
+
+
+class _PoisonWorker(WorkerActor):
+    """Fails every step that admits a request whose tokens hold POISON_TOKEN, in each generation
+    of worker: what a request the worker cannot survive does."""
+
+    def execute(self, plan_bytes: bytes) -> bytes:
+        from scheduler.protocol import StepPlan
+
+        plan = StepPlan.from_bytes(plan_bytes)
+        if any(POISON_TOKEN in n.token_ids for n in plan.new_requests):
+            return self.poisoned(plan_bytes)
+        return super().execute(plan_bytes)
+
+    def poisoned(self, plan_bytes: bytes) -> bytes:
+        raise NotImplementedError
+
+
+class PoisonExitWorker(_PoisonWorker):
+    def poisoned(self, plan_bytes: bytes) -> bytes:
+        os._exit(1)
+
+
+class PoisonGarbageWorker(_PoisonWorker):
+    """Answers with bytes that are no StepResult: the driver's loop itself fails on them."""
+
+    def poisoned(self, plan_bytes: bytes) -> bytes:
+        return b"\xc1 not a step result"
+
+
+POISON_EXIT_WORKER = f"{__name__}:{PoisonExitWorker.__name__}"
+POISON_GARBAGE_WORKER = f"{__name__}:{PoisonGarbageWorker.__name__}"

@@ -173,7 +173,7 @@ def test_a_prefetched_grammar_is_the_one_its_step_uses(tok):
     runner = _runner(prepare_structured_output=True)
     prompt = _prompt(tok, "Tell me about Paris.")
     sampling = _schema_sampling(prompt)
-    assert runner.grammars.prefetch(sampling.grammar) is True
+    assert runner.grammars.prefetch(sampling.grammar) is None  # compiled
     cache = runner.grammars.cache
     assert cache.num_compiled == 1
     driver = PlanDriver(runner)
@@ -181,8 +181,10 @@ def test_a_prefetched_grammar_is_the_one_its_step_uses(tok):
     driver.step()
     assert cache.num_compiled == 1  # the step found it compiled
     bad = GrammarSpec("json_schema", '{"type": "strin"}')
-    assert runner.grammars.prefetch(bad) is False  # left to its step to refuse, with the slot
-    assert _runner().grammars.prefetch(sampling.grammar) is False  # lazy: the first grammar's step builds it
+    assert "invalid json_schema grammar" in runner.grammars.prefetch(bad)  # the reason the driver refuses it with
+    lazy = _runner()
+    assert lazy.grammars.prefetch(sampling.grammar) is None  # builds the compiler itself, off the step path
+    assert lazy.grammars.cache.num_compiled == 1
 
 
 def test_threads_asking_for_one_grammar_at_once_compile_it_once(tok):

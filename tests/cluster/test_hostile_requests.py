@@ -1,0 +1,127 @@
+"""Hostile requests against a served engine: each is answered with a 400 naming the field (or a
+documented bound), the replica never dies, and a concurrent stream keeps flowing while it is
+served. The served engine here compiles grammars with a short deadline so that one schema
+runs past it (SERVED)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.cluster.conftest import SERVED_MODEL, served_stats, wait_until_idle
+from workers.grammar import xgrammar_available
+
+pytestmark = pytest.mark.ray
+
+SERVED = {"engine": {"grammar_compile_timeout_s": 1.0, "max_grammar_bytes": 200_000}}
+GAP_BOUND_S = 2.5  # a stall guard under a loaded test run; the suite prints the gaps it measured
+
+INT_BOMBS = {
+    "seed 2**70": ({"seed": 2**70, "temperature": 1}, "seed"),
+    "seed -2**70": ({"seed": -(2**70), "temperature": 1}, "seed"),
+    "top_k 2**70": ({"top_k": 2**70}, "top_k"),
+    "stop id 2**70 with min_tokens": ({"stop_token_ids": [2**70], "min_tokens": 2}, "stop_token_ids"),
+    "stop id past the vocab with min_tokens": ({"stop_token_ids": [5000], "min_tokens": 2}, "stop_token_ids"),
+    "temperature 1e308": ({"temperature": 1e308}, "temperature"),
+    "repetition_penalty 1e-300": ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+    "logit_bias id 2**70": ({"logit_bias": {str(2**70): 1}}, "logit_bias"),
+    "max_tokens 10**12": ({"max_tokens": 10**12}, "max_tokens"),
+}
+
+
+def completion(base: str, **fields) -> httpx.Response:
+    body = {"model": SERVED_MODEL, "prompt": "Hello", "max_tokens": 4, **fields}
+    return httpx.post(f"{base}/v1/completions", content=json.dumps(body), timeout=60,
+                      headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize("fields, field", INT_BOMBS.values(), ids=INT_BOMBS.keys())
+def test_an_out_of_range_value_is_a_400_naming_its_field(served_engine, fields, field):
+    r = completion(served_engine["base"], **fields)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and field in error["message"]
+
+
+def test_after_every_bomb_the_replica_serves_and_health_is_ok(served_engine):
+    base = served_engine["base"]
+    for fields, _ in INT_BOMBS.values():
+        completion(base, **fields)
+    r = completion(base, temperature=0)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    stats = served_stats(served_engine)
+    assert stats["worker_restarts"] == 0 and stats["loop_failures"] == 0
+    assert httpx.get(f"{base}/health").json()["status"] == "ok"
+
+
+class TimedStream:
+    """A long greedy stream on a thread, recording when each chunk arrived."""
+
+    def __init__(self, base: str, max_tokens: int = 1500):
+        self.times: list[float] = []
+        self.finish_reason = None
+        body = {"model": SERVED_MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        self._thread = threading.Thread(target=self._run, args=(base, body), daemon=True)
+        self._thread.start()
+
+    def _run(self, base, body) -> None:
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    self.times.append(time.monotonic())
+                    reason = json.loads(line[6:])["choices"][0]["finish_reason"]
+                    self.finish_reason = reason or self.finish_reason
+
+    def wait_started(self, n: int = 5) -> None:
+        deadline = time.monotonic() + 60
+        while len(self.times) < n:
+            assert time.monotonic() < deadline, "the stream never started"
+            time.sleep(0.01)
+
+    def largest_gap(self, start: float, end: float) -> float:
+        """The longest wait for a chunk between `start` and `end` (monotonic)."""
+        points = [start] + [t for t in self.times if start < t < end] + [end]
+        return max(b - a for a, b in zip(points, points[1:]))
+
+    def join(self) -> None:
+        self._thread.join(timeout=120)
+
+
+def enum_schema(n: int) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "e", "schema": {
+        "type": "string", "enum": [f"value_{i}_abcdefg" for i in range(n)]}}}
+
+
+@pytest.mark.skipif(not xgrammar_available(), reason="xgrammar is not installed (raylm[structured])")
+def test_a_slow_grammar_is_refused_in_bounded_time_and_holds_no_other_stream(served_engine):
+    base = served_engine["base"]
+    stream = TimedStream(base)
+    stream.wait_started()
+    start = time.monotonic()
+    slow = completion(base, response_format=enum_schema(8000))  # ~175 KB: compiles for seconds on this CPU
+    slow_s = time.monotonic() - start
+    again_start = time.monotonic()
+    again = completion(base, response_format=enum_schema(8000))
+    again_s = time.monotonic() - again_start
+    huge = completion(base, response_format=enum_schema(20000))
+    small = completion(base, max_tokens=8, temperature=0, response_format={"type": "json_object"})
+    end = time.monotonic()
+    gap = stream.largest_gap(start, end)
+    stream.join()
+    print(f"\nslow grammar refused after {slow_s:.2f} s, again after {again_s:.3f} s; "
+          f"largest inter-token gap of a concurrent stream meanwhile: {gap:.3f} s")
+    assert slow.status_code == 400 and "grammar_compile_timeout_s" in slow.json()["error"]["message"], slow.text
+    assert slow_s < 10  # the deadline is 1 s; the compile itself takes seconds longer
+    assert again.status_code == 400 and again.json()["error"]["message"] == slow.json()["error"]["message"]
+    assert huge.status_code == 400 and "max_grammar_bytes" in huge.json()["error"]["message"], huge.text
+    assert small.status_code == 200, small.text
+    assert small.json()["choices"][0]["text"].startswith("{")  # other grammars compile meanwhile
+    assert stream.finish_reason == "length" and len(stream.times) > 100
+    assert gap < GAP_BOUND_S
+    stats = wait_until_idle(served_engine)
+    assert stats["grammars_refused"] == 2 and stats["worker_restarts"] == 0
