@@ -105,7 +105,7 @@ class EngineClient:
     def apply_chat_template(self, messages, tools=None, template_kwargs=None) -> str:
         tok = self.local_tokenizer()
         if tok is not None:
-            return render_chat(tok, messages, tools, template_kwargs)
+            return render_chat(tok, messages, tools, template_kwargs, self.config.trust_request_chat_template)
         return _get(self._actor.apply_chat_template.remote(messages, tools, template_kwargs))
 
     def abort(self, request_id: str) -> bool:

@@ -21,10 +21,11 @@ import dataclasses
 import json
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from cluster.chat_template import RESERVED_TEMPLATE_KWARGS, with_request_template
 from cluster.outputs import RequestOutput, StreamDelta, TokenLogprob
 from scheduler.grammar_spec import GrammarSpec
 from scheduler.request import GENERATION_CONFIG_FIELDS, SamplingParams
@@ -134,11 +135,21 @@ class _Common(StrictModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # a list must hold something: the schema says so (minItems), _prompt_given refuses [] naming `prompt`
+    prompt: (str | Annotated[list[int], Field(min_length=1)] | Annotated[list[str], Field(min_length=1)]
+             | Annotated[list[list[int]], Field(min_length=1)])
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_given(cls, value):
+        """[] fails every member of the union; this one error names the field instead of each member."""
+        if isinstance(value, list) and not value:
+            raise ValueError("an empty list holds no prompt to complete")
+        return value
 
     def unsupported(self):
         if self.echo:
@@ -226,6 +237,7 @@ class ChatCompletionRequest(_Common):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict | None = None
+    chat_template: str | None = None  # the request's own template (vLLM's field): needs the server's opt-in
 
     def check(self) -> None:
         """What pydantic cannot say alone; each error starts with the field's name."""
@@ -244,7 +256,9 @@ class ChatCompletionRequest(_Common):
             raise ValueError(f"tools must have distinct names, got {names}")
         reserved = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_RESERVED)
         if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {reserved}: the server sets them")
+            raise ValueError(f"chat_template_kwargs may not set {reserved}: the server sets them, or they are "
+                             "options of HF's apply_chat_template, not template variables")
+        with_request_template(self.chat_template_kwargs, self.chat_template)  # given once at most
         if self.structured():
             if self.forced_prefix():
                 raise ValueError(f"response_format {self.response_format.type!r} cannot be combined with "
@@ -275,7 +289,8 @@ class ChatCompletionRequest(_Common):
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def template_kwargs(self) -> dict:
-        kwargs = dict(self.chat_template_kwargs or {})
+        """chat_template_kwargs, with the chat_template field in it as "chat_template" (render_chat's key)."""
+        kwargs = with_request_template(self.chat_template_kwargs, self.chat_template)
         if self.forced_prefix() or self.structured():
             kwargs["enable_thinking"] = False  # the call, or the structured reply, starts right after the prompt
         return kwargs
@@ -328,7 +343,7 @@ class ChatCompletionRequest(_Common):
         return self.top_logprobs if self.top_logprobs is not None else 0
 
 
-TEMPLATE_RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "tokenize", "continue_final_message"})
+TEMPLATE_RESERVED = RESERVED_TEMPLATE_KWARGS  # cluster/chat_template.py says which and why
 
 
 def _shown(value) -> object:
