@@ -11,6 +11,14 @@ import threading
 import time
 
 from cluster.config import DEFAULT_GIL_SWITCH_INTERVAL_MS, GENERATION_CONFIG_MODES, check_gil_switch_interval_ms
+from cluster.http_limits import (
+    DEFAULT_LIMIT_CONCURRENCY,
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_REQUEST_BODY_TIMEOUT_S,
+    DEFAULT_REQUEST_HEADER_TIMEOUT_S,
+    DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+    HttpLimits,
+)
 
 log = logging.getLogger("raylm")
 
@@ -43,6 +51,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-channel", default=None, choices=["auto", "socket", "ray"],
                    help="how steps reach a worker: 'socket', a TCP connection to it (~7x less CPU per step); "
                         "'ray', an actor call per step; 'auto' (the default): socket on cpu, ray on cuda/npu")
+    p.add_argument("--max-request-failures", type=int, default=None,
+                   help="fail a request that was on the worker at this many worker failures in a row (default 2)")
+    p.add_argument("--grammar-compile-timeout-s", type=float, default=None,
+                   help="refuse a request whose grammar (response_format, forced tool call) does not compile within "
+                        "this many seconds (default 10)")
+    p.add_argument("--max-grammar-bytes", type=int, default=None,
+                   help="refuse a schema or grammar longer than this (default 65536)")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
@@ -51,8 +66,9 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
               prefill_threads_per_worker=a.prefill_threads_per_worker,
               accelerator_resource=a.accelerator_resource, enforce_eager=a.enforce_eager, graph_sizes=a.graph_sizes,
               tensor_parallel_size=a.tensor_parallel_size)
-    for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests",
-                 "generation_config", "step_channel"):  # unset (or not a flag of this command): EngineConfig's default
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "generation_config",
+                 "step_channel", "trust_request_chat_template", "max_request_failures", "grammar_compile_timeout_s",
+                 "max_grammar_bytes"):  # unset (or not a flag of this command): the default
         if getattr(a, name, None) is not None:
             kw[name] = getattr(a, name)
     return kw
@@ -95,9 +111,34 @@ def served_model_name(model: str | None) -> str:
     return os.path.basename(os.path.normpath(model)) if model else "tiny-qwen3"
 
 
-def resolve_api_key(flag: str | None) -> str | None:
-    """--api-key, else RAYLM_API_KEY, else no key (then bind only to trusted interfaces)."""
-    return flag or os.environ.get("RAYLM_API_KEY") or None
+def resolve_api_key(flag: str | None, key_file: str | None = None) -> str | None:
+    """--api-key-file's first line, else --api-key, else RAYLM_API_KEY, else no key (then
+    bind only to trusted interfaces). A key given as --api-key shows in the process list
+    (`ps`), so it is taken with a warning; a file that cannot be read or whose first line
+    is empty is a ValueError naming the flag and the path."""
+    if key_file is not None:
+        if flag:
+            raise ValueError("give the API key one way: --api-key or --api-key-file, not both")
+        try:
+            with open(key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            reason = getattr(e, "strerror", None) or e
+            raise ValueError(f"--api-key-file {key_file!r}: cannot read it: {reason}") from None
+        if not key:
+            raise ValueError(f"--api-key-file {key_file!r}: the first line is empty; it must hold the key")
+        return key
+    if flag:
+        log.warning("--api-key puts the key in the process list (ps); use --api-key-file or RAYLM_API_KEY")
+        return flag
+    return os.environ.get("RAYLM_API_KEY") or None
+
+
+def http_limits(a: argparse.Namespace) -> HttpLimits:
+    """The HTTP limits `raylm serve`'s flags ask for (--limit-concurrency 0: no limit)."""
+    return HttpLimits(timeout_keep_alive=a.timeout_keep_alive, limit_concurrency=a.limit_concurrency or None,
+                      max_header_bytes=a.max_header_bytes, request_header_timeout=a.request_header_timeout,
+                      request_body_timeout=a.request_body_timeout)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -106,18 +147,19 @@ def cmd_serve(a: argparse.Namespace) -> int:
     cfg = cluster.EngineConfig.from_kwargs(**_engine_kwargs(a), reserved_cpus=a.reserved_cpus,
                                            prepare_structured_output=not a.lazy_structured_output)
     check_gil_switch_interval_ms(a.gil_switch_interval_ms)
-    api_key = resolve_api_key(a.api_key)
+    api_key = resolve_api_key(a.api_key, a.api_key_file)
+    limits = http_limits(a)  # bad limits are an error before anything starts
     model_names = [a.served_model_name or served_model_name(a.model)]
     if a.frontend == "engine" and (a.address or "").startswith("ray://"):
         raise ValueError(f"--frontend engine serves HTTP from the engine actor on this node, which a Ray Client "
                          f"address ({a.address}) does not make part of the cluster; use --frontend process")
     cluster.ensure_ray(a.address)
     if a.frontend == "process":
-        return _serve_from_this_process(a, cfg, model_names, api_key)
-    return _serve_in_engine(a, cfg, model_names, api_key)
+        return _serve_from_this_process(a, cfg, model_names, api_key, limits)
+    return _serve_in_engine(a, cfg, model_names, api_key, limits)
 
 
-def _serve_in_engine(a, cfg, model_names: list[str], api_key: str | None) -> int:
+def _serve_in_engine(a, cfg, model_names: list[str], api_key: str | None, limits: HttpLimits) -> int:
     """The HTTP server runs in the engine actor's process (cluster/embedded_http.py); this
     process waits, and stops the engine when interrupted or when the engine dies."""
     import ray
@@ -125,7 +167,8 @@ def _serve_in_engine(a, cfg, model_names: list[str], api_key: str | None) -> int
     from cluster.engine_actor import launch_detached
 
     spec = {"host": a.host, "port": a.port, "model_names": model_names, "api_key": api_key,
-            "max_body_bytes": a.max_body_bytes, "access_log": not a.disable_access_log}
+            "metrics_without_auth": a.metrics_without_auth, "max_body_bytes": a.max_body_bytes,
+            "access_log": not a.disable_access_log, "limits": limits}
     try:
         actor, started = launch_detached(cfg, a.name, http=spec, gil_switch_interval_ms=a.gil_switch_interval_ms)
     except OSError as e:
@@ -166,7 +209,7 @@ def _serve_in_engine(a, cfg, model_names: list[str], api_key: str | None) -> int
     return 0
 
 
-def _serve_from_this_process(a, cfg, model_names: list[str], api_key: str | None) -> int:
+def _serve_from_this_process(a, cfg, model_names: list[str], api_key: str | None, limits: HttpLimits) -> int:
     """The HTTP server in this process, a frontend of the engine actor over the channel."""
     import ray
     import uvicorn
@@ -174,10 +217,11 @@ def _serve_from_this_process(a, cfg, model_names: list[str], api_key: str | None
     import cluster
     from cluster.engine_actor import launch_detached
     from cluster.engine_client import EngineClient
+    from cluster.http_limits import uvicorn_options
     from cluster.server import ServerState, build_app
 
     actor, started = launch_detached(cfg, a.name, gil_switch_interval_ms=a.gil_switch_interval_ms)
-    state = ServerState(model_names, api_key)
+    state = ServerState(model_names, api_key, a.metrics_without_auth)
 
     def wait_until_loaded() -> None:
         try:
@@ -190,8 +234,8 @@ def _serve_from_this_process(a, cfg, model_names: list[str], api_key: str | None
 
     threading.Thread(target=wait_until_loaded, daemon=True).start()
     try:
-        uvicorn.run(build_app(state, a.max_body_bytes), host=a.host, port=a.port, log_level="info",
-                    access_log=not a.disable_access_log)
+        uvicorn.run(build_app(state, a.max_body_bytes, limits.request_body_timeout), host=a.host, port=a.port,
+                    **uvicorn_options(limits, access_log=not a.disable_access_log))
     finally:
         ray.kill(actor, no_restart=True)  # the engine lives as long as this server
     return 0
@@ -201,6 +245,25 @@ def cmd_up(a: argparse.Namespace) -> int:
     from cluster.launcher import up
 
     return up(a.config, a.ray_up_args)
+
+
+def _http_limit_args(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_TIMEOUT_KEEP_ALIVE_S, metavar="S",
+                   help="close a keep-alive connection idle for S seconds "
+                        f"(default {DEFAULT_TIMEOUT_KEEP_ALIVE_S:g})")
+    s.add_argument("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY, metavar="N",
+                   help="open connections plus running requests past which a request gets 503 "
+                        f"(default {DEFAULT_LIMIT_CONCURRENCY}; 0: no limit)")
+    s.add_argument("--max-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES, metavar="B",
+                   help="largest request line and headers; larger gets 431 and the connection closed "
+                        f"(default {DEFAULT_MAX_HEADER_BYTES})")
+    s.add_argument("--request-header-timeout", type=float, default=DEFAULT_REQUEST_HEADER_TIMEOUT_S, metavar="S",
+                   help="a request's headers must arrive within S seconds of the connection's start (between "
+                        "requests: of their first byte), else 408 and the connection closed "
+                        f"(default {DEFAULT_REQUEST_HEADER_TIMEOUT_S:g})")
+    s.add_argument("--request-body-timeout", type=float, default=DEFAULT_REQUEST_BODY_TIMEOUT_S, metavar="S",
+                   help="a request's body must arrive within S seconds of the server starting to read it, else 408 "
+                        f"(default {DEFAULT_REQUEST_BODY_TIMEOUT_S:g})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -228,8 +291,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None, help="model id in the API (default: model dir name)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set RAYLM_API_KEY)")
-    s.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health (and /metrics with "
+                        "--metrics-without-auth); the process list shows it: prefer --api-key-file or the "
+                        "RAYLM_API_KEY environment variable")
+    s.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from PATH's first line")
+    s.add_argument("--metrics-without-auth", action="store_true",
+                   help="serve /metrics without the API key (for a Prometheus scraper that has none)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default: 1 MiB; 413)")
+    _http_limit_args(s)
     s.add_argument("--reserved-cpus", type=int, default=1,
                    help="CPU cores left to the HTTP server and engine actor when --threads-per-worker is not given "
                         "(device cpu; default 1: a worker's torch threads stall whenever another process takes "
@@ -252,6 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'auto' (the default): requests that leave temperature, top_p, top_k, min_p, "
                         "the penalties or max_tokens out get the model's generation_config.json values, "
                         "as vLLM does; 'none': raylm's own defaults (vLLM's --generation-config vllm)")
+    s.add_argument("--trust-request-chat-template", action="store_true", default=None,
+                   help="let requests bring their own chat template (chat_template, or "
+                        "chat_template_kwargs.chat_template), as vLLM's flag of this name; it renders in a bounded "
+                        "sandbox. Without it such requests are refused (400)")
     s.set_defaults(func=cmd_serve)
 
     u = sub.add_parser("up", help="check a cluster YAML (validation, SSH to the head), then run `ray up` on it")

@@ -23,8 +23,10 @@ import asyncio
 import socket
 import threading
 
+from cluster.http_limits import DEFAULT_BACKLOG, HttpLimits
 
-def bind(host: str, port: int) -> socket.socket:
+
+def bind(host: str, port: int, backlog: int = DEFAULT_BACKLOG) -> socket.socket:
     """A listening TCP socket on host:port (OSError, naming both, when it cannot be had)."""
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
@@ -35,7 +37,7 @@ def bind(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
-        sock.listen(2048)
+        sock.listen(backlog)
     except OSError as e:
         sock.close()
         raise OSError(f"cannot listen on {host}:{port}: {e}") from None
@@ -44,26 +46,29 @@ def bind(host: str, port: int) -> socket.socket:
 
 class EmbeddedHttp:
     """uvicorn serving build_app() from a thread of this process; `spec` is the CLI's HTTP
-    options: host, port, model_names, api_key, max_body_bytes, access_log."""
+    options: host, port, model_names, api_key, metrics_without_auth, max_body_bytes,
+    access_log, limits (an HttpLimits; its defaults when absent)."""
 
     def __init__(self, spec: dict):
         from cluster.server import ServerState
 
         self.spec = dict(spec)
-        self.state = ServerState(list(self.spec["model_names"]), self.spec.get("api_key"))
+        self.limits = self.spec.get("limits") or HttpLimits()
+        self.state = ServerState(list(self.spec["model_names"]), self.spec.get("api_key"),
+                                 bool(self.spec.get("metrics_without_auth")))
         self._server = None
         self._thread: threading.Thread | None = None
 
     async def start(self) -> None:
         import uvicorn
 
+        from cluster.http_limits import uvicorn_options
         from cluster.server import DEFAULT_MAX_BODY_BYTES, build_app
 
-        sock = bind(self.spec["host"], int(self.spec["port"]))
-        app = build_app(self.state, int(self.spec.get("max_body_bytes") or DEFAULT_MAX_BODY_BYTES))
-        # lifespan off: the app has no startup hooks (and uvicorn exits when one fails)
-        config = uvicorn.Config(app, log_level="info", access_log=bool(self.spec.get("access_log", True)),
-                                lifespan="off", timeout_graceful_shutdown=5)
+        sock = bind(self.spec["host"], int(self.spec["port"]), self.limits.backlog)
+        app = build_app(self.state, int(self.spec.get("max_body_bytes") or DEFAULT_MAX_BODY_BYTES),
+                        self.limits.request_body_timeout)
+        config = uvicorn.Config(app, **uvicorn_options(self.limits, bool(self.spec.get("access_log", True))))
         self._server = uvicorn.Server(config)
         # its own thread and loop (uvloop where installed, as `uvicorn.run` picks), not the actor's:
         # no signal handlers there, and a failure ends that thread, not the actor

@@ -1,9 +1,14 @@
 """OpenAI-compatible HTTP in front of an LLMHandle (FastAPI + uvicorn).
 
 /v1/completions, /v1/chat/completions (SSE streaming), /v1/models, /health and
-/metrics (Prometheus). Errors are OpenAI's error JSON: 400 bad input (naming the field
-and value), 401 bad or missing API key, 404 unknown model or route, 413 body over the
-limit, 429 queue full, 503 not ready or no replica (with Retry-After).
+/metrics (Prometheus), /tokenize and /detokenize. Errors are OpenAI's error JSON: 400 bad
+input (naming the field and value), 401 bad or missing API key, 404 unknown model or route,
+408 body not received in time, 413 body over the limit, 429 queue full, 503 not ready or no
+replica (with Retry-After). With an API key every route but /health needs it (/metrics too,
+unless opened); cluster/http_limits.py bounds connections and request heads.
+
+/openapi.json describes the JSON bodies of the POST routes from their pydantic models, which
+the routes parse themselves (strictly, with the errors above) from the raw body.
 
 /health is 200 `{"status": "ok"}` when every replica serves, 200 `"degraded"` when some
 are down, and 503 `"loading"` / `"unavailable"` with the reason and each replica's state
@@ -19,9 +24,11 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 import time
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -31,6 +38,7 @@ import cluster.openai_api as oa
 import cluster.tokenize_api as tk
 from cluster.chat_output import ChatOutput
 from cluster.errors import EngineDeadError, EngineOverloadedError
+from cluster.http_limits import DEFAULT_REQUEST_BODY_TIMEOUT_S
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs until the context is full
@@ -47,7 +55,9 @@ class ApiError(Exception):
         self.retry_after = retry_after
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(max(1, round(self.retry_after)))} if self.retry_after is not None else None
+        headers = {"Retry-After": str(max(1, round(self.retry_after)))} if self.retry_after is not None else {}
+        if self.status in (408, 413):  # the body's unread rest may still be on its way: end the connection
+            headers["Connection"] = "close"
         return JSONResponse(oa.error_body(str(self), self.kind, self.param, self.code), status_code=self.status,
                             headers=headers)
 
@@ -68,17 +78,24 @@ def _from_exception(e: BaseException) -> ApiError:
     return ApiError(500, f"{type(e).__name__}: {e}", "internal_error")
 
 
+_LEADING_PATH = re.compile(r"([A-Za-z_]\w*)(?:\[\d+\]|\.[A-Za-z_]\w*)*")  # a field, then [i] or .name
+
+
 def _leading_field(message: str) -> str | None:
-    """The request field a validation message starts with ("logit_bias token id 99999 is ..."), if any."""
-    first = message.split(" ", 1)[0]
-    return first if first in _REQUEST_FIELDS else None
+    """The request field a validation message starts with, if any, as the path it names:
+    "logit_bias token id 99999 is ..." -> logit_bias, "max_tokens=4096 plus the prompt's ..." ->
+    max_tokens, "messages[2].content must ..." -> messages[2].content."""
+    m = _LEADING_PATH.match(message)
+    return m.group() if m is not None and m.group(1) in _REQUEST_FIELDS else None
 
 
 class BodyLimit:
-    """ASGI middleware: refuse bodies over `limit` bytes, by header and by count."""
+    """ASGI middleware: refuse bodies over `limit` bytes, by header and by count (413), and
+    bodies not complete within `timeout` seconds of the handler's first read (408). Past
+    the body's last part, `receive` (the disconnect watch) passes straight through."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT_S):
+        self.app, self.limit, self.timeout = app, limit, timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -87,11 +104,21 @@ class BodyLimit:
             if k == b"content-length" and v.isdigit() and int(v) > self.limit:
                 return await ApiError(413, f"request body is larger than the limit of {self.limit} bytes",
                                       param="body", code="body_too_large").response()(scope, receive, send)
-        seen = 0
+        seen, deadline, done = 0, None, False
 
         async def counted():
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, deadline, done
+            if done:
+                return await receive()
+            loop = asyncio.get_running_loop()
+            if deadline is None:
+                deadline = loop.time() + self.timeout
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                raise ApiError(408, f"request body not complete within the {self.timeout:g} s limit (received "
+                               f"{seen} bytes)", param="body", code="request_timeout") from None
+            done = message["type"] != "http.request" or not message.get("more_body", False)
             seen += len(message.get("body", b""))
             if seen > self.limit:
                 raise ApiError(413, f"request body is larger than the limit of {self.limit} bytes",
@@ -105,14 +132,17 @@ class BodyLimit:
 
 
 class ApiKeyAuth:
-    """ASGI middleware: every /v1 route needs `Authorization: Bearer <key>` (plain ASGI,
-    so streamed responses pass straight through)."""
+    """ASGI middleware: with a key, every route but /health (a load balancer's probe), and
+    /metrics when the operator opened it, needs `Authorization: Bearer <key>`; unknown paths
+    too, so a client without the key learns nothing of the routes (plain ASGI, so streamed
+    responses pass straight through)."""
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
+        self.open_paths = {"/health", "/metrics"} if state.metrics_without_auth else {"/health"}
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and self.state.api_key and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and self.state.api_key and scope["path"] not in self.open_paths:
             given = next((v for k, v in scope.get("headers", []) if k == b"authorization"), b"")
             expected = f"Bearer {self.state.api_key}".encode()
             if not hmac.compare_digest(given, expected):
@@ -124,16 +154,20 @@ class ApiKeyAuth:
 class ServerState:
     """What the routes serve from; `handle` is None until the engine is loaded."""
 
-    def __init__(self, model_names: list[str], api_key: str | None):
+    def __init__(self, model_names: list[str], api_key: str | None, metrics_without_auth: bool = False):
         self.handle = None
         self.model_names = model_names
         self.api_key = api_key
+        self.metrics_without_auth = metrics_without_auth
         self.startup_error: str | None = None
 
 
-def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT_S) -> FastAPI:
     app = FastAPI(title="raylm", docs_url=None, redoc_url=None)
     app.state.raylm = state
+    _describe_bodies(app, {"/v1/completions": oa.CompletionRequest, "/v1/chat/completions": oa.ChatCompletionRequest,
+                           "/tokenize": tk.TokenizeRequest, "/detokenize": tk.DetokenizeRequest}, state.model_names)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_req, exc: StarletteHTTPException):
@@ -220,7 +254,28 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         body = await _parse(request, tk.DetokenizeRequest, state)
         return await _run_checked(tk.detokenize, _ready(state), body)
 
-    return BodyLimit(ApiKeyAuth(app, state), max_body_bytes)
+    return BodyLimit(ApiKeyAuth(app, state), max_body_bytes, body_timeout)
+
+
+def _describe_bodies(app: FastAPI, bodies: dict, model_names: list[str]) -> None:
+    """/openapi.json with each POST route's JSON body: `bodies` maps a path to its request
+    model; each model's schema, and those it refers to, go to components.schemas. `model`
+    is one of the names served (any other is a 404)."""
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in bodies.items():
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                body["properties"]["model"]["enum"] = list(model_names)
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+                schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 async def _run_checked(fn, *args):
@@ -269,8 +324,7 @@ async def _params(handle, body, max_tokens_default: int | None, logprobs):
             return await run_in_threadpool(build)
         return build()
     except ValueError as e:
-        field = str(e).split(" ", 1)[0]
-        raise ApiError(400, str(e), param=field) from None
+        raise ApiError(400, str(e), param=_leading_field(str(e))) from None
 
 
 async def _generate_all(handle, prompts: list, params) -> list:

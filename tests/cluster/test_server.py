@@ -128,7 +128,7 @@ def test_unknown_model_bad_json_and_big_body(server, client):
 def test_metrics_count_requests_by_finish_reason(server, client):
     client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0,
                               extra_body={"ignore_eos": True})
-    text = httpx.get(server["base"] + "/metrics").text
+    text = httpx.get(server["base"] + "/metrics", headers=AUTH).text  # with a key, /metrics needs it too
     lines = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
     assert lines['raylm_requests_total{finish_reason="length"}'] >= 1
     assert lines["raylm_time_to_first_token_seconds_count"] >= 1
@@ -229,20 +229,21 @@ def test_a_connected_handle_tokenizes_and_renders_chats_as_the_engine_would(serv
 
 def test_tokenize_and_detokenize_round_trip_as_vllm_serves_them(server):
     base, tok = server["base"], server["state"].handle.tokenizer
-    r = httpx.post(f"{base}/tokenize", json={"model": MODEL, "prompt": "北京故宫是"})
+    r = httpx.post(f"{base}/tokenize", json={"model": MODEL, "prompt": "北京故宫是"}, headers=AUTH)
     assert r.status_code == 200
     body = r.json()
     assert body["tokens"] == tok.encode("北京故宫是") and body["count"] == len(body["tokens"])
     assert body["max_model_len"] == server["state"].handle.max_model_len
-    back = httpx.post(f"{base}/detokenize", json={"model": MODEL, "tokens": body["tokens"]})
+    back = httpx.post(f"{base}/detokenize", json={"model": MODEL, "tokens": body["tokens"]}, headers=AUTH)
     assert back.json() == {"prompt": "北京故宫是"}
-    chat = httpx.post(f"{base}/tokenize", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    chat = httpx.post(f"{base}/tokenize", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+                      headers=AUTH)
     want = server["state"].handle.apply_chat_template([{"role": "user", "content": "hi"}])
     assert tok.decode(chat.json()["tokens"]) == want
     for path, bad, param in (("/tokenize", {"model": MODEL}, None),
                              ("/detokenize", {"model": MODEL, "tokens": [10**9]}, None),
                              ("/detokenize", {"model": MODEL, "tokens": "abc"}, "tokens")):
-        r = httpx.post(base + path, json=bad)
+        r = httpx.post(base + path, json=bad, headers=AUTH)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
