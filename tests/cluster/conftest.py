@@ -84,6 +84,7 @@ def served_engine(ray_session, request):
 
     import cluster
     from cluster.engine_actor import launch_detached
+    from cluster.http_limits import HttpLimits, uvicorn_options
     from cluster.server import DEFAULT_MAX_BODY_BYTES, ServerState, build_app
 
     opts = {"api_key": None, "max_body_bytes": DEFAULT_MAX_BODY_BYTES, "num_kv_blocks": 64,
@@ -93,8 +94,9 @@ def served_engine(ray_session, request):
     actor, started = launch_detached(config, name)
     state = ServerState([SERVED_MODEL], opts["api_key"])
     port = free_port()
+    options = {**uvicorn_options(HttpLimits(), access_log=False), "log_level": "warning"}  # as raylm serve's
     srv = uvicorn.Server(uvicorn.Config(build_app(state, max_body_bytes=opts["max_body_bytes"]), host="127.0.0.1",
-                                        port=port, log_level="warning"))
+                                        port=port, **options))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"

@@ -207,7 +207,8 @@ GROWN = {  # each builds a value over MAX_PROMPT_CHARS step by step, or asks for
 
 @pytest.mark.parametrize("name", sorted(GROWN))
 def test_values_past_the_bounds_are_refused_naming_the_bound(tok, name):
-    with pytest.raises(ValueError, match=r"^chat_template: .*\((MAX_PROMPT_CHARS|MAX_RANGE)\)"):
+    # measuring a value made of shared parts takes a while: on a loaded machine the deadline may come first
+    with pytest.raises(ValueError, match=r"^chat_template: .*\((MAX_PROMPT_CHARS|MAX_RANGE|MAX_RENDER_S)\)"):
         trusted(tok, GROWN[name])
 
 

@@ -6,8 +6,11 @@ runs past it (SERVED)."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlparse
 
 import httpx
 import pytest
@@ -17,7 +20,8 @@ from workers.grammar import xgrammar_available
 
 pytestmark = pytest.mark.ray
 
-SERVED = {"engine": {"grammar_compile_timeout_s": 1.0, "max_grammar_bytes": 200_000}}
+SERVED = {"engine": {"grammar_compile_timeout_s": 1.0, "max_grammar_bytes": 200_000,
+                     "trust_request_chat_template": True}}  # so that template bombs reach the renderer
 GAP_BOUND_S = 2.5  # a stall guard under a loaded test run; the suite prints the gaps it measured
 
 INT_BOMBS = {
@@ -125,3 +129,87 @@ def test_a_slow_grammar_is_refused_in_bounded_time_and_holds_no_other_stream(ser
     assert gap < GAP_BOUND_S
     stats = wait_until_idle(served_engine)
     assert stats["grammars_refused"] == 2 and stats["worker_restarts"] == 0
+
+
+# ---- a concurrent stream's largest inter-token gap while each kind of bomb is served ----
+LOOP_TEMPLATE = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def chat_with_template(base: str, template: str) -> httpx.Response:
+    return httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
+        "model": SERVED_MODEL, "messages": CHAT, "max_tokens": 4, "chat_template": template})
+
+
+def tokenize_with_template(base: str, template: str) -> httpx.Response:
+    return httpx.post(f"{base}/tokenize", timeout=60, json={"model": SERVED_MODEL, "messages": CHAT,
+                                                           "chat_template": template})
+
+
+def open_connections(base: str, n: int, payload: bytes) -> list[socket.socket]:
+    url = urlparse(base)
+    conns = []
+    for _ in range(n):
+        c = socket.create_connection((url.hostname, url.port), timeout=5)
+        if payload:
+            c.sendall(payload)
+        conns.append(c)
+    return conns
+
+
+def partial_headers(base: str) -> int:
+    conns = open_connections(base, 100, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-slow: ")
+    time.sleep(1.0)
+    for c in conns:
+        c.close()
+    return 0
+
+
+def huge_header(base: str) -> int:
+    c = open_connections(base, 1, b"")[0]
+    try:
+        c.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * (8 << 20) + b"\r\n\r\n")
+    except OSError:  # the server answered 431 and closed before reading it all
+        pass
+    status = c.recv(64)
+    c.close()
+    return int(status.split(b" ")[1])
+
+
+def many_template_bombs(base: str) -> int:
+    with ThreadPoolExecutor(8) as pool:
+        codes = list(pool.map(lambda _: chat_with_template(base, LOOP_TEMPLATE).status_code, range(8)))
+    assert set(codes) == {400}
+    return 400
+
+
+BOMBS = {
+    "a template that repeats a string": lambda b: chat_with_template(b, "{{ 'ab' * 2000000 }}").status_code,
+    "a template that loops on nothing": lambda b: chat_with_template(b, LOOP_TEMPLATE).status_code,
+    "eight looping templates at once": many_template_bombs,
+    "/tokenize with a looping template": lambda b: tokenize_with_template(b, LOOP_TEMPLATE).status_code,
+    "100 partial-header connections": partial_headers,
+    "an 8 MB header": huge_header,
+}
+EXPECTED_STATUS = {"100 partial-header connections": 0, "an 8 MB header": 431}
+
+
+@pytest.mark.parametrize("name", BOMBS)
+def test_a_concurrent_stream_keeps_flowing_while_a_bomb_is_served(served_engine, name):
+    base = served_engine["base"]
+    stream = TimedStream(base)
+    stream.wait_started()
+    start = time.monotonic()
+    status = BOMBS[name](base)
+    health_start = time.monotonic()
+    health = httpx.get(f"{base}/health", timeout=30)
+    health_s = time.monotonic() - health_start
+    end = time.monotonic()
+    gap = stream.largest_gap(start, end)
+    stream.join()
+    print(f"\n{name}: answered {status} after {health_start - start:.2f} s; /health in {health_s:.3f} s; "
+          f"largest inter-token gap of a concurrent stream meanwhile: {gap:.3f} s")
+    assert status == EXPECTED_STATUS.get(name, 400)
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert stream.finish_reason == "length"
+    assert gap < GAP_BOUND_S
