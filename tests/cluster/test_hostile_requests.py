@@ -20,8 +20,10 @@ from workers.grammar import xgrammar_available
 
 pytestmark = pytest.mark.ray
 
-SERVED = {"engine": {"grammar_compile_timeout_s": 1.0, "max_grammar_bytes": 200_000,
-                     "trust_request_chat_template": True}}  # so that template bombs reach the renderer
+# as raylm serve runs (structured output prepared at start), with a grammar deadline short enough for a
+# schema to run past it, and request templates trusted so that template bombs reach the renderer
+SERVED = {"engine": {"prepare_structured_output": True, "grammar_compile_timeout_s": 1.0,
+                     "max_grammar_bytes": 200_000, "trust_request_chat_template": True}}
 GAP_BOUND_S = 2.5  # a stall guard under a loaded test run; the suite prints the gaps it measured
 
 INT_BOMBS = {
