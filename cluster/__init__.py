@@ -25,8 +25,12 @@ __all__ = [
 
 def ensure_ray(address: str | None = None) -> bool:
     """Join a running Ray (this process's, `address`, or one started with `ray start`),
-    else start a local one. Returns True when this call initialized Ray here.
+    else start a local one; say which, and why. Returns True when this call initialized Ray here.
 
+    Joining a Ray this process did not start is logged as a warning naming its address and how
+    it was found (the address given, RAY_ADDRESS, or the address file of the last `ray start`
+    on this machine, as ray.init finds it), since its resources may belong to someone else:
+    `address="local"` starts a private one instead.
     A Ray started here runs its workers at this process's priority: Ray's default renices
     worker processes to 15, so on a busy host the HTTP server and its clients (at 0)
     would starve the engine and its workers (set RAY_worker_niceness to override)."""
@@ -39,20 +43,33 @@ def ensure_ray(address: str | None = None) -> bool:
     opts = dict(include_dashboard=False, logging_level=logging.WARNING)
     if address == "local":  # a new single-node Ray of our own, whatever else runs here
         os.environ.setdefault("RAY_worker_niceness", "0")
-    if address not in (None, "local"):
-        _check_reachable(address)
+        ray.init(address="local", **opts)
+        log.info("raylm: started a Ray of this process's own (address='local')")
+        return True
     if address is not None:
+        _check_reachable(address)
         ray.init(address=address, **opts)
+        _joined(address, "the address given")
         return True
     try:
-        _check_reachable("auto")
+        found = _check_reachable("auto")
         ray.init(address="auto", **opts)
     except ConnectionError as e:
         if isinstance(e, RayUnreachableError):
             log.warning("%s; starting a Ray of this process's own instead", e)
         os.environ.setdefault("RAY_worker_niceness", "0")  # read by the raylet this starts
         ray.init(address="local", **opts)  # not None: that would read the stale address file again
+        log.info("raylm: no running Ray found; started one of this process's own")
+        return True
+    if found is None:  # found by ray.init itself
+        found = (ray.get_runtime_context().gcs_address, "ray.init's search")
+    _joined(*found)
     return True
+
+
+def _joined(address: str, source: str) -> None:
+    log.warning("raylm: joined the running Ray at %s (from %s); its resources may be in use by others: "
+                "pass address='local' (raylm serve --address local) for a Ray of this process's own", address, source)
 
 
 PROBE_TIMEOUT_S = 3.0
@@ -62,12 +79,13 @@ class RayUnreachableError(ConnectionError):
     """A Ray address (given, or found for "auto") where nothing accepts a connection."""
 
 
-def _check_reachable(address: str) -> None:
+def _check_reachable(address: str) -> tuple[str, str] | None:
     """ConnectionError, naming the address and where it came from, when the Ray that
     `address` ("auto": RAY_ADDRESS or the address file of the last `ray start`) points to
     does not accept a TCP connection: ray.init would retry it for minutes (a cluster that
     stopped without `ray stop` leaves its address file behind). Nothing found for "auto"
-    is left to ray.init (it says so); Ray Client addresses are not probed."""
+    is left to ray.init (it says so); Ray Client addresses are not probed. Returns the
+    (address, where it came from) that answered, for "auto"; else None."""
     import os
     import socket
 
@@ -79,32 +97,36 @@ def _check_reachable(address: str) -> None:
 
             resolved = get_ray_address_from_environment("auto", None)
         except ConnectionError:
-            return  # no Ray found: ray.init raises its own ConnectionError
+            return None  # no Ray found: ray.init raises its own ConnectionError
         except Exception:  # Ray's private helpers moved: let ray.init find it
-            return
+            return None
         source = ("RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else
                   f"{get_ray_address_file(None)}, written by the last `ray start`")
         address = resolved
     if not isinstance(address, str) or "://" in address or ":" not in address:
-        return
+        return None
     host, _, port = address.rpartition(":")
     if not port.isdigit():
-        return
+        return None
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S).close()  # "[::1]:6379"
     except OSError as e:
         raise RayUnreachableError(f"the Ray cluster at {address} (from {source}) does not answer ({e}); start it "
                               f"(`ray start --head`), point RAY_ADDRESS or --address elsewhere, or use "
                               f"--address local") from None
+    return (address, source) if source != "the address given" else None
 
 
-def launch(model: str | None = None, device: str = "cpu", num_replicas: int = 1, **config) -> LLMHandle:
+def launch(model: str | None = None, device: str = "cpu", num_replicas: int = 1, *, address: str | None = None,
+           **config) -> LLMHandle:
     """Start an engine driven from this process. No model: the bundled tiny Qwen3.
-    Keyword options are EngineConfig fields (validated; unknown ones are an error)."""
+    `address`: the Ray to join ("local": a private one; None: a running one if any, as
+    ray.init finds it, else a private one). Keyword options are EngineConfig fields
+    (validated; unknown ones are an error)."""
     from cluster.engine import Engine
 
     cfg = EngineConfig.from_kwargs(model=model, device=device, num_replicas=num_replicas, **config)
-    owns_ray = ensure_ray()
+    owns_ray = ensure_ray(address)
     try:
         engine = Engine(cfg).start()
     except BaseException:

@@ -68,7 +68,9 @@ class EngineConfig:
     `replica_cooldown_s`, rejoining the router once its worker is up. A request that was on
     the worker at `max_request_failures` failures in a row (none of its tokens sampled in
     between) is failed as their likely cause, so one request cannot take a replica down
-    over and over; the others are recomputed.
+    over and over; the others are recomputed. Workers that cannot be placed within
+    `placement_timeout_s` (raise it for a cluster that autoscales) fail the start, saying what
+    they asked for and what the cluster has free; `start_timeout_s` bounds their loading.
     A request's grammar (structured output, forced tool calls) is compiled by the workers
     before the request is scheduled, never inside a step: a spec longer than
     `max_grammar_bytes`, or one not compiled within `grammar_compile_timeout_s`, is refused
@@ -123,6 +125,7 @@ class EngineConfig:
     max_grammar_bytes: int = 64 * 1024
     max_waiting_requests: int = 4096
     start_timeout_s: float = 600.0
+    placement_timeout_s: float = 60.0
     enforce_eager: bool = False
     graph_sizes: list[int] | None = None
     generation_config: str = "auto"
@@ -176,6 +179,7 @@ class EngineConfig:
         check_int("max_grammar_bytes", self.max_grammar_bytes, 1)
         check_int("max_waiting_requests", self.max_waiting_requests, 1)
         check_positive("start_timeout_s", self.start_timeout_s)
+        check_positive("placement_timeout_s", self.placement_timeout_s)
         check_bool("enforce_eager", self.enforce_eager)
         check_bool("prepare_structured_output", self.prepare_structured_output)
         check_bool("trust_request_chat_template", self.trust_request_chat_template)

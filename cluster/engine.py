@@ -107,7 +107,7 @@ class Engine:
                                             prefill_threads=prefill_threads)
                           for i in range(cfg.num_replicas)]
         self.device_outputs = runner_configs[0].device_outputs
-        groups = create_replica_groups(resources, cfg.num_replicas, cfg.start_timeout_s, tp)
+        groups = create_replica_groups(resources, cfg.num_replicas, cfg.placement_timeout_s, tp)
         for i, (pg, runner_config) in enumerate(zip(groups, runner_configs)):
             self.replicas.append(Replica(i, cfg, runner_config, resources, pg, self._on_updates))
         try:

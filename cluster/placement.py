@@ -11,6 +11,7 @@ round-robin to different nodes.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import ray
@@ -70,27 +71,45 @@ def _spread_nodes(resources: WorkerResources, num_replicas: int, ranks: int) -> 
     return [fitting[i % len(fitting)] for i in range(num_replicas)]
 
 
+PLACEMENT_REPORT_S = 5.0  # a replica not placed by then is reported (what it asked, what is free), then waited for
+
+
 def create_replica_groups(resources: WorkerResources, num_replicas: int, timeout_s: float,
                           tensor_parallel_size: int = 1):
-    """One ready placement group per replica (a bundle per rank, on one node), or a clear error."""
+    """One ready placement group per replica (a bundle per rank, on one node), or a clear error.
+    A replica not placed within PLACEMENT_REPORT_S is reported as a warning; one not placed
+    within `timeout_s` fails the start, naming what it asked for and what the cluster has."""
     groups = []
     for node_ip in _spread_nodes(resources, num_replicas, tensor_parallel_size):
         bundle = resources.bundle()
         if node_ip is not None:
             bundle[f"node:{node_ip}"] = 0.001
         groups.append(placement_group([dict(bundle) for _ in range(tensor_parallel_size)], strategy="STRICT_PACK"))
+    deadline = time.monotonic() + timeout_s
     for i, pg in enumerate(groups):
-        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+        ready, _ = ray.wait([pg.ready()], timeout=max(0.0, min(PLACEMENT_REPORT_S, deadline - time.monotonic())))
+        if not ready:
+            log.warning("raylm: waiting up to %.0f s to place replica %d: %s", timeout_s,
+                        i, _placement_shortfall(resources, tensor_parallel_size))
+            ready, _ = ray.wait([pg.ready()], timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
             for g in groups:
                 remove_placement_group(g)
-            raise RuntimeError(
-                f"could not place replica {i}: its {tensor_parallel_size} worker(s) need {resources.bundle()} "
-                f"each, on one node; the cluster has {ray.cluster_resources()} "
-                f"(available now: {ray.available_resources()}); "
-                f"lower num_replicas, tensor_parallel_size or threads_per_worker, or add nodes"
-            )
+            raise RuntimeError(f"could not place replica {i} within {timeout_s:g} s: "
+                               f"{_placement_shortfall(resources, tensor_parallel_size)}; lower num_replicas, "
+                               "tensor_parallel_size or threads_per_worker, add nodes, or, if this Ray is someone "
+                               "else's, use a private one (address='local', raylm serve --address local)")
     return groups
+
+
+def _placement_shortfall(resources: WorkerResources, tensor_parallel_size: int) -> str:
+    """What one replica asks for against what the cluster has and has free."""
+    ask = {k: v * tensor_parallel_size for k, v in resources.bundle().items()}
+    free = ray.available_resources()
+    total = ray.cluster_resources()
+    shown = ", ".join(f"{k}: asks {v:g}, free {free.get(k, 0):g} of {total.get(k, 0):g}" for k, v in ask.items())
+    return f"its {tensor_parallel_size} worker(s) must fit on one node ({shown}) in the Ray at " \
+           f"{ray.get_runtime_context().gcs_address}"
 
 
 def scheduling_strategy(pg, rank: int = 0) -> PlacementGroupSchedulingStrategy:

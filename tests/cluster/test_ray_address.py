@@ -65,3 +65,35 @@ def test_with_no_address_a_stale_one_is_skipped_for_a_ray_of_our_own():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "nodes 1" in proc.stdout
     assert "does not answer" in proc.stderr and "starting a Ray of this process's own" in proc.stderr
+
+
+@pytest.mark.ray
+def test_joining_a_running_ray_says_which_and_how_it_was_found(ray_session):
+    """A process that finds a Ray through RAY_ADDRESS joins it, warning where it is and how it was found, and
+    that address='local' keeps to a private one; with address='local' it starts its own."""
+    address = ray_session.get_runtime_context().gcs_address
+    code = ("import logging, cluster, ray; logging.basicConfig(); assert cluster.ensure_ray(); "
+            "print('joined', ray.get_runtime_context().gcs_address); ray.shutdown(); "
+            "assert cluster.ensure_ray('local'); print('private', ray.get_runtime_context().gcs_address); "
+            "ray.shutdown()")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "RAY_ADDRESS": address})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"joined {address}" in proc.stdout and f"private {address}" not in proc.stdout
+    assert f"joined the running Ray at {address} (from RAY_ADDRESS)" in proc.stderr
+    assert "address='local'" in proc.stderr
+
+
+@pytest.mark.ray
+def test_workers_that_cannot_be_placed_fail_in_bounded_time_saying_what_they_asked_for(ray_session, caplog):
+    import cluster
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as e:  # 64 threads each: more CPUs than this Ray has
+        cluster.launch(threads_per_worker=64, placement_timeout_s=7)
+    elapsed = time.monotonic() - t0
+    message = str(e.value)
+    assert "could not place replica 0 within 7 s" in message and "CPU: asks 64, free" in message
+    assert "address='local'" in message and ray_session.get_runtime_context().gcs_address in message
+    assert any("waiting up to 7 s to place replica 0" in r.getMessage() for r in caplog.records)
+    assert elapsed < 60
