@@ -8,7 +8,7 @@ TORCH_PIN ?= torch==2.13.0
 # raylm[structured] without the triton that xgrammar's metadata pulls in (raylm masks logits itself)
 XGRAMMAR_PIN ?= xgrammar==0.2.9
 
-.PHONY: run test test-fast lint venv clean peers
+.PHONY: run test test-fast test-fuzz lint venv clean peers
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -41,8 +41,8 @@ run: venv
 TEST_WORKERS ?= $(shell nproc)
 RAY_TEST_WORKERS ?= $(TEST_WORKERS)
 test: venv
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not ray and not deploy" tests
-	$(BIN)/python -m pytest -q -n $(RAY_TEST_WORKERS) --dist loadfile -m "ray and not deploy" tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not ray and not deploy and not fuzz" tests
+	$(BIN)/python -m pytest -q -n $(RAY_TEST_WORKERS) --dist loadfile -m "ray and not deploy and not fuzz" tests
 
 # vLLM's CPU build, the peer `raylm bench --compare vllm` measures against, in a venv of its own
 # (raylm never imports it). See ../shared/PEERS.md for why each step is needed.
@@ -61,7 +61,12 @@ $(PEERS_VENV)/.installed:
 
 # What needs no Ray: scheduler, workers, detokenizer, router, parsers (under a minute).
 test-fast: venv
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not ray and not deploy and not multiprocess and not slow" tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not ray and not deploy and not multiprocess and not slow and not fuzz" tests
+
+# schemathesis against a running `raylm serve` (its own local Ray), every route of its OpenAPI schema, a
+# fixed seed; prints the requests sent, 5xx, hangs and replica deaths (~2 minutes of requests on 2 cores).
+test-fuzz: venv
+	$(BIN)/python -m pytest -q -m fuzz -s tests/fuzz
 
 lint: venv
 	$(BIN)/ruff check .

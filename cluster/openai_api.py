@@ -364,6 +364,15 @@ def finish_reason(reason: str | None) -> str | None:
     return {"abort": "stop"}.get(reason, reason)
 
 
+MIN_LOGPROB = -9999.0  # what a ruled-out token's logprob (-inf) is sent as, as vLLM's server does: JSON has no inf
+
+
+def json_logprob(value: float) -> float:
+    """A logprob JSON can carry: -inf (a token a grammar or a filter rules out, among the top
+    n when fewer than n are allowed), anything else below MIN_LOGPROB, and NaN become MIN_LOGPROB."""
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB
+
+
 def completion_logprobs(lps: list[TokenLogprob] | None, text_offset: int = 0) -> dict | None:
     if lps is None:
         return None
@@ -371,16 +380,16 @@ def completion_logprobs(lps: list[TokenLogprob] | None, text_offset: int = 0) ->
     for lp in lps:
         offsets.append(pos)
         pos += len(lp.token)
-    return {"tokens": [lp.token for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{t: v for _, t, v in lp.top} for lp in lps], "text_offset": offsets}
+    return {"tokens": [lp.token for lp in lps], "token_logprobs": [json_logprob(lp.logprob) for lp in lps],
+            "top_logprobs": [{t: json_logprob(v) for _, t, v in lp.top} for lp in lps], "text_offset": offsets}
 
 
 def chat_logprobs(lps: list[TokenLogprob] | None) -> dict | None:
     if lps is None:
         return None
     return {"content": [
-        {"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token.encode()),
-         "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for _, t, v in lp.top]}
+        {"token": lp.token, "logprob": json_logprob(lp.logprob), "bytes": list(lp.token.encode()),
+         "top_logprobs": [{"token": t, "logprob": json_logprob(v), "bytes": list(t.encode())} for _, t, v in lp.top]}
         for lp in lps]}
 
 
