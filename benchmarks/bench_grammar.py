@@ -18,7 +18,8 @@ import time
 from scheduler.grammar_spec import GrammarSpec
 from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, WorkerSampling
 from workers.loader import bundled_model_path, load_tokenizer
-from workers.runner import ModelRunner, RunnerConfig
+from workers.runner import ModelRunner
+from workers.runner_config import RunnerConfig
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "tags": {"type": "array", "items": {"type": "string"}}},

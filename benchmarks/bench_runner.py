@@ -26,7 +26,8 @@ from cluster.bench.hf_runs import hf_model  # HF's Qwen3ForCausalLM on our very 
 from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, WorkerSampling
 from workers.device import synchronize, torch_device
 from workers.loader import random_qwen3, resolve_dtype
-from workers.runner import ModelRunner, RunnerConfig
+from workers.runner import ModelRunner
+from workers.runner_config import RunnerConfig
 
 
 def runner_stepper(model, batch: int, context: int, num_steps: int, device: str, device_outputs: bool):

@@ -18,7 +18,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, WorkerSampling
-from workers.runner import ModelRunner, RunnerConfig
+from workers.runner import ModelRunner
+from workers.runner_config import RunnerConfig
 
 
 def main() -> None:

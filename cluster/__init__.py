@@ -123,12 +123,12 @@ def launch(model: str | None = None, device: str = "cpu", num_replicas: int = 1,
     `address`: the Ray to join ("local": a private one; None: a running one if any, as
     ray.init finds it, else a private one). Keyword options are EngineConfig fields
     (validated; unknown ones are an error)."""
-    from cluster.engine import Engine
+    from cluster.core.engine import LocalEngine
 
     cfg = EngineConfig.from_kwargs(model=model, device=device, num_replicas=num_replicas, **config)
     owns_ray = ensure_ray(address)
     try:
-        engine = Engine(cfg).start()
+        engine = LocalEngine(cfg).start()
     except BaseException:
         if owns_ray:
             import ray
@@ -143,7 +143,7 @@ def connect(name: str = "raylm", *, address: str | None = None, namespace: str =
     """A handle to an engine started by `raylm serve` (a named, detached actor).
     If this process stops answering for `lease_s` seconds (it died, its network went
     away), the engine aborts the requests it left running."""
-    from cluster.engine_client import EngineClient
+    from cluster.remote.remote_engine import RemoteEngine
 
     owns_ray = ensure_ray(address)
-    return LLMHandle(EngineClient.attach(name, namespace, lease_s=lease_s), owns_ray=owns_ray)
+    return LLMHandle(RemoteEngine.attach(name, namespace, lease_s=lease_s), owns_ray=owns_ray)

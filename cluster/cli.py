@@ -11,7 +11,7 @@ import threading
 import time
 
 from cluster.config import DEFAULT_GIL_SWITCH_INTERVAL_MS, GENERATION_CONFIG_MODES, check_gil_switch_interval_ms
-from cluster.http_limits import (
+from cluster.openai.http_limits import (
     DEFAULT_LIMIT_CONCURRENCY,
     DEFAULT_MAX_HEADER_BYTES,
     DEFAULT_REQUEST_BODY_TIMEOUT_S,
@@ -160,11 +160,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 
 def _serve_in_engine(a, cfg, model_names: list[str], api_key: str | None, limits: HttpLimits) -> int:
-    """The HTTP server runs in the engine actor's process (cluster/embedded_http.py); this
+    """The HTTP server runs in the engine actor's process (cluster/openai/http_server.py); this
     process waits, and stops the engine when interrupted or when the engine dies."""
     import ray
 
-    from cluster.engine_actor import launch_detached
+    from cluster.remote.engine_actor import launch_detached
 
     spec = {"host": a.host, "port": a.port, "model_names": model_names, "api_key": api_key,
             "metrics_without_auth": a.metrics_without_auth, "max_body_bytes": a.max_body_bytes,
@@ -215,10 +215,10 @@ def _serve_from_this_process(a, cfg, model_names: list[str], api_key: str | None
     import uvicorn
 
     import cluster
-    from cluster.engine_actor import launch_detached
-    from cluster.engine_client import EngineClient
-    from cluster.http_limits import uvicorn_options
-    from cluster.server import ServerState, build_app
+    from cluster.openai.app import ServerState, build_app
+    from cluster.openai.http_limits import uvicorn_options
+    from cluster.remote.engine_actor import launch_detached
+    from cluster.remote.remote_engine import RemoteEngine
 
     actor, started = launch_detached(cfg, a.name, gil_switch_interval_ms=a.gil_switch_interval_ms)
     state = ServerState(model_names, api_key, a.metrics_without_auth)
@@ -226,7 +226,7 @@ def _serve_from_this_process(a, cfg, model_names: list[str], api_key: str | None
     def wait_until_loaded() -> None:
         try:
             ray.get(started)
-            state.handle = cluster.LLMHandle(EngineClient.attach(a.name))
+            state.handle = cluster.LLMHandle(RemoteEngine.attach(a.name))
             log.info("engine %r loaded; serving on http://%s:%d", a.name, a.host, a.port)
         except Exception as e:  # /health says why
             state.startup_error = f"engine failed to start: {e}"
@@ -242,7 +242,7 @@ def _serve_from_this_process(a, cfg, model_names: list[str], api_key: str | None
 
 
 def cmd_up(a: argparse.Namespace) -> int:
-    from cluster.launcher import up
+    from cluster.ray_up import up
 
     return up(a.config, a.ray_up_args)
 

@@ -18,7 +18,7 @@ from workers.block_sizes import check_npu_block_size, default_block_size
 from workers.runner_config import DEVICE_KINDS, STEP_CHANNELS, RunnerConfig, canonical_dtype, device_outputs_enabled
 
 GENERATION_CONFIG_MODES = ("auto", "none")
-# the engine actor's sys.setswitchinterval, in ms (cluster/engine_actor.py says why); None: Python's 5 ms
+# the engine actor's sys.setswitchinterval, in ms (cluster/remote/engine_actor.py says why); None: Python's 5 ms
 DEFAULT_GIL_SWITCH_INTERVAL_MS = 0.5
 
 
@@ -92,7 +92,7 @@ class EngineConfig:
     `trust_request_chat_template` lets a request bring its own chat template (the
     chat_template field, or chat_template_kwargs.chat_template), as vLLM's
     --trust-request-chat-template does; off, such a request is refused (a 400). A request's
-    template is the client's code: it renders in a bounded sandbox (cluster/template_sandbox.py).
+    template is the client's code: it renders in a bounded sandbox (cluster/core/template_sandbox.py).
     """
 
     model: str | None = None

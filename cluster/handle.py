@@ -16,8 +16,9 @@ import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 
+from cluster.core.interface import Engine
+from cluster.core.stream import RequestStream
 from cluster.outputs import RequestOutput, StreamDelta
-from cluster.stream import RequestStream
 from scheduler.checks import all_ints
 from scheduler.request import SamplingParams
 
@@ -26,23 +27,25 @@ OFF_LOOP_TOKENIZE_CHARS = 4096  # async submissions tokenize text at least this 
 
 
 class LLMHandle:
-    def __init__(self, engine, *, owns_ray: bool = False):
-        self._engine = engine  # cluster.engine.Engine or cluster.engine_client.EngineClient
+    def __init__(self, engine: Engine, *, owns_ray: bool = False):
+        # the engine behind the handle (cluster.core.interface.Engine): a LocalEngine or a RemoteEngine.
+        # Public for tests and debugging (fault injection, its replicas); beyond the protocol, not a stable API.
+        self.engine = engine
         self._owns_ray = owns_ray
         self._closed = False
         self._choice_ids: dict[str, list[str]] = {}  # request id -> its choices' engine ids (n > 1), while open
 
     @property
     def tokenizer(self):
-        return self._engine.tokenizer
+        return self.engine.tokenizer
 
     @property
     def config(self):
-        return self._engine.config
+        return self.engine.config
 
     @property
     def max_model_len(self) -> int:
-        return self._engine.max_model_len
+        return self.engine.max_model_len
 
     @property
     def sampling_defaults(self) -> dict:
@@ -50,12 +53,12 @@ class LLMHandle:
         top_p, top_k, min_p, the repetition, presence and frequency penalties, max_new_tokens as
         max_tokens) that requests without params, and API requests that leave those fields out,
         get; {} when the checkpoint has none or the engine runs with generation_config="none"."""
-        return dict(self._engine.sampling_defaults)
+        return dict(self.engine.sampling_defaults)
 
     def default_sampling_params(self) -> SamplingParams:
         """What `generate(prompt)` without params samples with (vLLM's
         LLM.get_default_sampling_params): SamplingParams() with `sampling_defaults` applied."""
-        return SamplingParams(**self._engine.sampling_defaults)
+        return SamplingParams(**self.engine.sampling_defaults)
 
     # ---- blocking ----
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -139,8 +142,8 @@ class LLMHandle:
         """Stop a request (every choice of it); False if it is not running."""
         ids = self._choice_ids.get(request_id)
         if ids is None:
-            return self._engine.abort(request_id)
-        return any([self._engine.abort(c) for c in ids])
+            return self.engine.abort(request_id)
+        return any([self.engine.abort(c) for c in ids])
 
     async def _asubmit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> RequestStream:
         """_submit from a coroutine: a long text prompt is tokenized on a thread, not on the event
@@ -148,7 +151,7 @@ class LLMHandle:
         loop = asyncio.get_running_loop()
         ids = None
         if isinstance(prompt, str) and len(prompt) >= OFF_LOOP_TOKENIZE_CHARS:
-            ids = await loop.run_in_executor(None, self._engine.encode_text, prompt)
+            ids = await loop.run_in_executor(None, self.engine.encode_text, prompt)
         return self._submit(prompt, params, request_id, loop, ids)
 
     def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None = None,
@@ -157,9 +160,9 @@ class LLMHandle:
         prompt tokenized once for all). `token_ids`: the text prompt's, from engine.encode_text."""
         params = _one(params)
         if params is None or params.n == 1:
-            return self._engine.add_request(prompt, params, request_id, loop, prompt_token_ids=token_ids)
+            return self.engine.add_request(prompt, params, request_id, loop, prompt_token_ids=token_ids)
         if token_ids is None and isinstance(prompt, str) and prompt:
-            token_ids = self._engine.encode_text(prompt)
+            token_ids = self.engine.encode_text(prompt)
         rid = request_id if request_id is not None else uuid.uuid4().hex
         if not isinstance(rid, str) or not rid:
             raise ValueError(f"request_id must be a non-empty string, got {rid!r}")
@@ -170,7 +173,7 @@ class LLMHandle:
         self._choice_ids[rid] = ids
         try:
             for i, cid in enumerate(ids):
-                self._engine.add_request(prompt, params.choice(i), cid, loop, sink=stream, group=rid,
+                self.engine.add_request(prompt, params.choice(i), cid, loop, sink=stream, group=rid,
                                          prompt_token_ids=token_ids)
         except BaseException:
             self._release(stream)
@@ -180,38 +183,38 @@ class LLMHandle:
     def _release(self, s: RequestStream) -> None:
         """Abort the choices of `s` still running (its reader stopped early) and forget it."""
         for rid in s.unfinished_ids():
-            self._engine.abort(rid)
+            self.engine.abort(rid)
         if len(s.choice_ids) > 1:
             self._choice_ids.pop(s.request_id, None)
 
     def health(self) -> dict:
         """{"status": "ok" | "degraded" | "unavailable", "reason", "replicas": [...]}."""
-        return self._engine.health()
+        return self.engine.health()
 
     def stats(self) -> dict:
-        return self._engine.stats()
+        return self.engine.stats()
 
     def worker_stats(self) -> list[dict]:
         """Per replica, its worker: pid, node and device it runs on, compute dtype, weights
         fingerprint, KV blocks. Asks every worker (unlike `stats`, which the driver answers)."""
-        return self._engine.worker_stats()
+        return self.engine.worker_stats()
 
     def metrics_text(self) -> bytes:
         """The engine's Prometheus metrics, in the text exposition format."""
-        return self._engine.metrics_text()
+        return self.engine.metrics_text()
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             template_kwargs: dict | None = None) -> str:
         """The prompt text the model's chat template makes of a conversation (with the tools
         offered and extra template variables such as {"enable_thinking": False})."""
-        return self._engine.apply_chat_template(messages, tools, template_kwargs)
+        return self.engine.apply_chat_template(messages, tools, template_kwargs)
 
     # ---- lifetime ----
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._engine.shutdown()
+        self.engine.shutdown()
         if self._owns_ray:
             import ray
 

@@ -8,7 +8,7 @@ Kinds:
 - "json_object": any JSON object (OpenAI's response_format {"type": "json_object"});
 - "json_schema": `text` is a JSON schema, as JSON text;
 - "ebnf": `text` is a grammar in xgrammar's EBNF (the tool-call grammar of tool_choice
-  "required" or a named function is built this way, cluster/tool_grammar.py).
+  "required" or a named function is built this way, cluster/openai/tool_grammar.py).
 """
 
 from __future__ import annotations

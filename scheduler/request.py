@@ -10,9 +10,7 @@ from dataclasses import dataclass, field
 
 from scheduler.checks import all_ints_in, check_bool, check_int, is_int
 from scheduler.grammar_spec import GrammarSpec
-from scheduler.protocol import (  # noqa: F401  (MAX_LOGPROBS, MAX_LOGIT_BIAS: re-exported)
-    MAX_LOGIT_BIAS,
-    MAX_LOGPROBS,
+from scheduler.protocol import (
     WorkerSampling,
     check_sampling,
     check_token_ids,

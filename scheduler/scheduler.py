@@ -33,8 +33,6 @@ from scheduler.slot_pool import SlotPool
 from scheduler.step import Step
 from scheduler.waiting import WaitingQueue
 
-__all__ = ["Scheduler", "SchedulerConfig", "RequestUpdate"]
-
 RUNNING, WAITING, FINISHED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.FINISHED
 
 

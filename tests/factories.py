@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 from scheduler.protocol import USE_RESIDENT, RowLogprobs, StepPlan, StepResult, pack_int32
 from scheduler.request import FinishReason, Request, SamplingParams
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.scheduler import Scheduler
+from scheduler.scheduler_config import SchedulerConfig
 
 VOCAB = 64
 EOS = 7

@@ -98,7 +98,7 @@ def _top(name: str) -> str:
 
 def test_the_graph_sees_the_product():
     modules = product_modules()
-    assert {"scheduler.scheduler", "workers.actor", "workers.runner", CLI, BENCH, "cluster.engine"} <= set(modules)
+    assert {"scheduler.scheduler", "workers.actor", "workers.runner", CLI, BENCH, "cluster.core.engine"} <= set(modules)
 
 
 def test_scheduler_imports_nothing_heavy_or_of_the_other_packages(all_imports):
@@ -119,6 +119,24 @@ def test_only_the_cli_imports_the_bench(graph):
                        if not (m == BENCH or m.startswith(BENCH + ".")) and any(
                            t == BENCH or t.startswith(BENCH + ".") for t in targets))
     assert importers == [CLI]
+
+
+def _in(module: str, room: str) -> bool:
+    return module == room or module.startswith(room + ".")
+
+
+def test_the_engine_core_imports_neither_the_http_layer_nor_the_remote_engine(all_imports):
+    bad = [f"{m}:{line} imports {n}" for m, names in all_imports.items() if _in(m, "cluster.core")
+           for n, line in names if _in(n, "cluster.openai") or _in(n, "cluster.remote")]
+    assert bad == []
+    assert any(_in(m, "cluster.core") for m in all_imports)  # the rule looks at the right modules
+
+
+def test_the_http_layer_imports_no_ray(all_imports):
+    bad = [f"{m}:{line} imports {n}" for m, names in all_imports.items() if _in(m, "cluster.openai")
+           for n, line in names if _top(n) == "ray"]
+    assert bad == []
+    assert any(_in(m, "cluster.openai") for m in all_imports)
 
 
 def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:

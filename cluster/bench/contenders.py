@@ -155,8 +155,10 @@ def run_bare(model, spec: EngineSpec, wl: Workload) -> tuple[dict, list[list[int
     """ModelRunner driven by the real Scheduler in this process: no Ray, no detokenizing,
     no pipelining (each step's ids are known before the next is planned)."""
     from scheduler.request import Request
-    from scheduler.scheduler import Scheduler, SchedulerConfig
-    from workers.runner import ModelRunner, RunnerConfig
+    from scheduler.scheduler import Scheduler
+    from scheduler.scheduler_config import SchedulerConfig
+    from workers.runner import ModelRunner
+    from workers.runner_config import RunnerConfig
 
     runner = ModelRunner(RunnerConfig(
         model=spec.model, device="cpu", dtype=spec.dtype, block_size=spec.block_size,

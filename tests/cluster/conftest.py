@@ -83,9 +83,9 @@ def served_engine(ray_session, request):
     import uvicorn
 
     import cluster
-    from cluster.engine_actor import launch_detached
-    from cluster.http_limits import HttpLimits, uvicorn_options
-    from cluster.server import DEFAULT_MAX_BODY_BYTES, ServerState, build_app
+    from cluster.openai.app import DEFAULT_MAX_BODY_BYTES, ServerState, build_app
+    from cluster.openai.http_limits import HttpLimits, uvicorn_options
+    from cluster.remote.engine_actor import launch_detached
 
     opts = {"api_key": None, "max_body_bytes": DEFAULT_MAX_BODY_BYTES, "num_kv_blocks": 64,
             "engine": {}, **getattr(request.module, "SERVED", {})}

@@ -53,7 +53,7 @@ FAULTY_WORKER = f"{__name__}:{FaultyWorker.__name__}"  # the RAYLM_WORKER_ACTOR 
 
 def arm_fault(llm, kind: str, after_steps: int = 0, seconds: float = 0.0, replica: int = 0) -> None:
     """Arm a fault in the worker of `llm`'s replica `replica` (engines started under `faulty_workers`)."""
-    ray.get(llm._engine.replicas[replica].worker.arm_fault.remote(kind, after_steps=after_steps, seconds=seconds))
+    ray.get(llm.engine.replicas[replica].worker.arm_fault.remote(kind, after_steps=after_steps, seconds=seconds))
 
 
 # the workload the fault tests run (tests/cluster/test_reliability.py, test_worker_faults.py)

@@ -3,7 +3,7 @@
 Each example is a /v1/completions body whose sampling fields are drawn from edge values (huge
 and negative integers, floats at and past float32's range, NaN, infinities, ids past the vocab).
 It goes where a served request goes: parsed by the API's model, turned into SamplingParams,
-checked against the model (cluster.engine.make_request), scheduled, encoded into StepPlan bytes,
+checked against the model (cluster.core.engine.make_request), scheduled, encoded into StepPlan bytes,
 decoded and run by the bundled tiny model's ModelRunner, which samples on its device, and the
 result applied by the scheduler. A body is either refused with a ValueError naming a field at
 the boundary, or every step of it runs without an exception. No Ray.
@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from cluster.engine import make_request
-from cluster.openai_api import CompletionRequest
+from cluster.core.engine import make_request
+from cluster.openai.api_models import CompletionRequest
 from scheduler.protocol import StepPlan, StepResult
 from scheduler.request import FinishReason
 from scheduler.scheduler import Scheduler

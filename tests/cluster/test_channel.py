@@ -11,11 +11,11 @@ import threading
 
 import pytest
 
-from cluster import channel
+from cluster.core.stream import RequestStream, deliver
 from cluster.errors import EngineDeadError, EngineOverloadedError
-from cluster.outbox import Outboxes
 from cluster.outputs import RequestMetrics, RequestOutput, StreamDelta, TokenLogprob
-from cluster.stream import RequestStream, deliver
+from cluster.remote import messages as channel
+from cluster.remote.outbox import Outboxes
 from scheduler.request import SamplingParams
 
 
@@ -247,7 +247,7 @@ def test_a_slow_stats_call_never_stalls_the_frontend_channel():
     blocks (here: worker stats waiting 1 s on a busy worker), pushes and pulls go on."""
     import time
 
-    from cluster.engine_actor import EngineActor
+    from cluster.remote.engine_actor import EngineActor
 
     class SlowStatsEngine(FakeEngine):
         def worker_stats(self):
@@ -261,7 +261,7 @@ def test_a_slow_stats_call_never_stalls_the_frontend_channel():
         actor = EngineActor.__new__(EngineActor)  # the actor's methods, without Ray or a model
         actor.engine, actor._ready = SlowStatsEngine(), True
         actor._outboxes = Outboxes(actor.engine)
-        await actor.open_frontend("fe", 30.0)
+        await actor.open_connection("fe", 30.0)
         slow = asyncio.ensure_future(actor.worker_stats())
         await asyncio.sleep(0.05)
         t0 = time.perf_counter()

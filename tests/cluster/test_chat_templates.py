@@ -14,11 +14,10 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from cluster.chat_template import render_chat
 from cluster.cli import _engine_kwargs, build_parser
 from cluster.config import EngineConfig
-from cluster.engine import Engine
-from cluster.server import ServerState, build_app
+from cluster.core.chat_template import render_chat
+from cluster.openai.app import ServerState, build_app
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
 WEATHER = {"type": "function", "function": {
@@ -122,13 +121,14 @@ def test_the_opt_in_is_an_engine_config_field_and_a_serve_flag():
 
 
 @pytest.mark.parametrize("trust", [False, True])
-@pytest.mark.parametrize("renderer", ["Engine", "EngineClient"])
+@pytest.mark.parametrize("renderer", ["LocalEngine", "RemoteEngine"])
 def test_engines_and_their_clients_render_with_the_configs_opt_in(tok, trust, renderer):
-    """Engine renders for launched handles, EngineClient (with the model's files at hand) for connected ones."""
-    from cluster.engine_client import EngineClient
+    """Engine renders for launched handles, RemoteEngine (with the model's files at hand) for connected ones."""
+    from cluster.core.engine import LocalEngine
+    from cluster.remote.remote_engine import RemoteEngine
 
     config = EngineConfig(trust_request_chat_template=trust)
-    apply = Engine.apply_chat_template if renderer == "Engine" else EngineClient.apply_chat_template
+    apply = LocalEngine.apply_chat_template if renderer == "LocalEngine" else RemoteEngine.apply_chat_template
     engine = SimpleNamespace(config=config, tokenizer=tok, local_tokenizer=lambda: tok,
                              _need_tokenizer=lambda what: None)
     kwargs = {"chat_template": "{{ messages[-1].content }}"}

@@ -178,7 +178,7 @@ def test_bytes_pulled_per_decode_step(ray_session, tiny, monkeypatch, env):
     with cluster.launch(num_kv_blocks=128, threads_per_worker=1) as llm:
         outs = llm.generate(PROMPTS[:batch], params)
         stats = llm.stats()
-        vocab = llm._engine.vocab_size
+        vocab = llm.engine.vocab_size
     assert all(len(o.token_ids) == 12 for o in outs)
     assert stats["decode_steps"] > 0
     assert stats["rows_per_decode_step"] == pytest.approx(batch, abs=1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from cluster.core.detokenizer import REPLACEMENT, IncrementalDetokenizer
 from workers.loader import bundled_model_path, load_tokenizer
 
 TEXT = "北京故宫是 hello 龘😀, café €5 ßtraße"

@@ -1,5 +1,5 @@
 """`raylm serve`'s default frontend: the HTTP server inside the engine actor's process
-(cluster/embedded_http.py), with cluster.connect() handles attached over the channel beside it."""
+(cluster/openai/http_server.py), with cluster.connect() handles attached over the channel beside it."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import ray
 import cluster
 from cluster import SamplingParams
 from cluster.config import DEFAULT_GIL_SWITCH_INTERVAL_MS
-from cluster.engine_actor import NAMESPACE, launch_detached
+from cluster.remote.engine_actor import NAMESPACE, launch_detached
 from tests.cluster.conftest import (
     SERVED_MODEL,
     aborted_requests,
@@ -72,7 +72,7 @@ def test_health_says_loading_until_the_engine_is_up(embedded):
     r = httpx.get(embedded["base"] + "/health")
     assert r.status_code == 200 and r.json()["status"] == "ok"
     # the engine's process (HTTP thread and step loop on one GIL) switches threads at the CLI's default
-    info = embedded["state"].handle._engine.info
+    info = embedded["state"].handle.engine.info
     assert info["gil_switch_interval_ms"] == pytest.approx(DEFAULT_GIL_SWITCH_INTERVAL_MS)
 
 

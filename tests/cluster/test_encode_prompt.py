@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from cluster.chat_template import encode_prompt
+from cluster.core.chat_template import encode_prompt
 from workers.loader import bundled_model_path, load_tokenizer
 from workers.tiny_model.corpus import CHINESE, ENGLISH
 

@@ -14,7 +14,7 @@ import pytest
 
 import cluster
 from cluster import SamplingParams
-from cluster import openai_api as oa
+from cluster.openai import api_models as oa
 from workers.loader import bundled_model_path, sampling_defaults
 
 QWEN3_STYLE = {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "do_sample": True, "max_new_tokens": 7,
@@ -66,7 +66,7 @@ def test_fields_a_request_leaves_out_take_the_defaults_and_given_ones_win():
 
 @pytest.mark.ray
 def test_requests_without_sampling_fields_sample_as_the_checkpoint_recommends(ray_session, tmp_path):
-    from cluster.server import ServerState, build_app
+    from cluster.openai.app import ServerState, build_app
 
     model = _model_with(tmp_path, {"temperature": 0.0, "top_k": 20, "max_new_tokens": 5})
     greedy5 = SamplingParams(temperature=0, max_tokens=5)

@@ -12,7 +12,7 @@ import pytest
 
 import cluster
 from cluster import EngineDeadError, SamplingParams
-from cluster.server import ServerState, build_app
+from cluster.openai.app import ServerState, build_app
 
 pytestmark = pytest.mark.ray
 
@@ -29,11 +29,11 @@ def _wait(predicate, what: str, timeout: float = 90.0) -> None:
 
 def _kill_worker_mid_step(ray_session, llm, index: int):
     """Start a long request on replica `index`, kill its worker once it is generating."""
-    rep = llm._engine.replicas[index]
+    rep = llm.engine.replicas[index]
     failures = rep.health_state.budget.total_restarts + rep.health_state.budget.give_ups
     _wait(lambda: rep.health_state.state == "up", f"replica {index} up")
     steps = rep.stats.steps
-    stream = llm._engine.add_request("Hello", LONG)
+    stream = llm.engine.add_request("Hello", LONG)
     _wait(lambda: rep.stats.steps > steps + 1, "a step on the replica")
     ray_session.kill(rep.worker, no_restart=True)
     _wait(lambda: rep.health_state.budget.total_restarts + rep.health_state.budget.give_ups > failures,
@@ -96,7 +96,7 @@ def test_health_is_degraded_then_503_with_the_reason_and_requests_fail_fast(ray_
 def test_a_replica_heals_after_repeated_worker_deaths(ray_session):
     with cluster.launch(num_kv_blocks=64, threads_per_worker=1, max_worker_restarts=2, restart_window_s=300,
                         restart_backoff_s=0.05, replica_cooldown_s=3) as llm:
-        rep = llm._engine.replicas[0]
+        rep = llm.engine.replicas[0]
         first = _kill_worker_mid_step(ray_session, llm, 0)
         _wait(lambda: rep.health_state.state == "up", "the first restart")
         assert first.result().finish_reason == "length"  # recomputed, not lost

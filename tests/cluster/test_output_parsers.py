@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.reasoning import ReasoningStream, opens_in_think, split_reasoning
-from cluster.tool_calls import ToolCallStream, parse_tool_calls
+from cluster.openai.reasoning import ReasoningStream, opens_in_think, split_reasoning
+from cluster.openai.tool_calls import ToolCallStream, parse_tool_calls
 
 
 def _ids():
@@ -163,7 +163,7 @@ def test_parsers_never_raise_and_streams_add_up_to_the_whole(pieces, cuts, seed,
 
 
 def test_chat_output_splits_reasoning_then_tool_calls_whole_and_streamed():
-    from cluster.chat_output import ChatOutput
+    from cluster.openai.chat_output import ChatOutput
 
     text = "<think>\nThe user wants Paris weather.\n</think>\n\n" + CALL
     msg = ChatOutput("<|im_start|>assistant\n", parse_tools=True, new_id=_ids()).message(text)
@@ -182,7 +182,7 @@ def test_chat_output_splits_reasoning_then_tool_calls_whole_and_streamed():
 
 
 def test_chat_output_with_a_forced_call_prefix():
-    from cluster.chat_output import ChatOutput
+    from cluster.openai.chat_output import ChatOutput
 
     prefix = '<tool_call>\n{"name": "get_time", "arguments":'
     prompt = "<|im_start|>assistant\n<think>\n\n</think>\n\n" + prefix

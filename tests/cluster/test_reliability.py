@@ -27,7 +27,7 @@ def test_killed_worker_is_replaced_and_outputs_are_unchanged(ray_session, expect
     with cluster.launch(num_kv_blocks=64, threads_per_worker=1) as llm:
         t, box = generate_in_background(llm, PROMPTS, GREEDY)
         wait_for_tokens(llm, llm.stats()["generated_tokens"] + 3)
-        ray_session.kill(llm._engine.replicas[0].worker, no_restart=True)
+        ray_session.kill(llm.engine.replicas[0].worker, no_restart=True)
         t.join(timeout=120)
         stats = llm.stats()
     assert [o.token_ids for o in box["outs"]] == expected
@@ -38,11 +38,11 @@ def test_killed_worker_is_replaced_and_outputs_are_unchanged(ray_session, expect
 
 def test_after_the_restart_budget_requests_fail_and_other_replicas_serve(ray_session, faulty_workers):
     with cluster.launch(num_replicas=2, num_kv_blocks=64, threads_per_worker=1, max_worker_restarts=1) as llm:
-        rep0 = llm._engine.replicas[0]
+        rep0 = llm.engine.replicas[0]
         arm_fault(llm, "exit", after_steps=2, replica=0)
         long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-        streams = [llm._engine.add_request(p, long) for p in PROMPTS]
-        on_rep0 = [s for s, p in zip(streams, PROMPTS) if llm._engine._requests[s.request_id].replica is rep0]
+        streams = [llm.engine.add_request(p, long) for p in PROMPTS]
+        on_rep0 = [s for s in streams if rep0.scheduler.get_request(s.request_id) is not None]
         assert on_rep0, "routing should have given replica 0 some requests"
         # The replacement dies too: the budget of one restart is spent.
         deadline = time.monotonic() + 60
@@ -74,7 +74,7 @@ def test_overload_completes_or_refuses_every_request(ray_session):
 
         results = asyncio.run(flood())
         stats = llm.stats()
-        leftover = len(llm._engine._requests)
+        leftover = stats["open_requests"]
     refused = [r for r in results if isinstance(r, EngineOverloadedError)]
     done = [r for r in results if not isinstance(r, BaseException)]
     assert len(refused) + len(done) == 1000
@@ -128,7 +128,7 @@ def test_protocol_refuses_pickles_and_garbage():
 def test_http_overload_is_429_in_openai_error_json(ray_session):
     import httpx
 
-    from cluster.server import ServerState, build_app
+    from cluster.openai.app import ServerState, build_app
 
     body = {"model": "m", "prompt": "Hello", "max_tokens": 20, "temperature": 0, "ignore_eos": True}
     with cluster.launch(num_kv_blocks=32, max_num_seqs=1, max_waiting_requests=2, threads_per_worker=1) as llm:

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from cluster import openai_api as oa
-from cluster.tool_calls import parse_tool_calls
+from cluster.openai import api_models as oa
+from cluster.openai.tool_calls import parse_tool_calls
 from workers.grammar import GrammarCompilerCache, xgrammar_available
 from workers.loader import bundled_model_path, load_tokenizer
 from workers.tiny_model.corpus import TOOLS
@@ -92,7 +92,7 @@ def test_a_request_that_needs_a_grammar_builds_it_off_the_event_loop(monkeypatch
 
     import httpx
 
-    from cluster.server import ServerState, build_app
+    from cluster.openai.app import ServerState, build_app
 
     built_on = []
     real = oa._Common.sampling_params

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cluster.restart_budget import RestartBudget
+from cluster.core.health import RestartBudget
 
 
 def _budget(**kw) -> RestartBudget:

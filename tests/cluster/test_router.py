@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from cluster.core.router import Router
 from cluster.errors import EngineDeadError
-from cluster.router import Router
 
 
 @dataclass

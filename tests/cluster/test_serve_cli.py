@@ -28,7 +28,7 @@ def test_tensor_parallel_size_flag_reaches_the_engine_config():
 
 
 def test_serve_leaves_a_core_to_its_frontend_unless_the_threads_are_given(ray_session):
-    from cluster.placement import default_threads
+    from cluster.core.placement import default_threads
 
     a = build_parser().parse_args(["serve"])
     assert a.reserved_cpus == 1
@@ -43,7 +43,7 @@ def test_serve_leaves_a_core_to_its_frontend_unless_the_threads_are_given(ray_se
 
 def test_prefill_steps_get_the_reserved_cores_back_unless_the_threads_are_given(ray_session):
     from cluster.cli import _engine_kwargs
-    from cluster.placement import cpu_worker_threads
+    from cluster.core.placement import cpu_worker_threads
 
     cpus = int(ray_session.cluster_resources()["CPU"])  # the session's Ray: 2
     assert cpu_worker_threads(1, 1, None, 1, None) == (max(1, cpus - 1), cpus)  # raylm serve's default
@@ -99,7 +99,7 @@ def test_raylm_serve_process_joins_ray_serves_and_cleans_up(ray_session, tmp_pat
         assert ray_session.get_actor("cli-engine", namespace="raylm") is not None
         other = cluster.connect("cli-engine")  # another frontend, over the channel, beside the HTTP one
         assert other.generate("Hello", cluster.SamplingParams(max_tokens=5, temperature=0)).text == r.choices[0].text
-        assert other._engine.info["gil_switch_interval_ms"] == pytest.approx(2.5)  # the engine process's own
+        assert other.engine.info["gil_switch_interval_ms"] == pytest.approx(2.5)  # the engine process's own
         # raylm serve loads the tokenizer and xgrammar into its workers while they start
         assert other.stats()["replicas"][0]["info"]["structured_output_ready"] is xgrammar_available()
         other.shutdown()

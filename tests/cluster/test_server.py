@@ -12,7 +12,7 @@ import pytest
 
 import cluster
 from cluster import SamplingParams
-from cluster.engine_actor import NAMESPACE
+from cluster.remote.engine_actor import NAMESPACE
 from tests.cluster.conftest import (
     SERVED_MODEL,
     aborted_requests,
@@ -176,12 +176,12 @@ def test_coroutines_tokenize_long_text_prompts_off_the_event_loop(server, monkey
     import asyncio
     import threading
 
-    from cluster.engine import Engine
-    from cluster.engine_client import EngineClient
+    from cluster.core.engine import LocalEngine
     from cluster.handle import OFF_LOOP_TOKENIZE_CHARS
+    from cluster.remote.remote_engine import RemoteEngine
 
     calls = []
-    for cls in (Engine, EngineClient):
+    for cls in (LocalEngine, RemoteEngine):
         real = cls.encode_text
         monkeypatch.setattr(cls, "encode_text",
                             lambda self, p, real=real: calls.append(threading.current_thread()) or real(self, p))
@@ -326,7 +326,7 @@ def test_a_frontend_that_goes_away_has_its_requests_aborted(server, ray_session,
         f"h = cluster.connect({server['name']!r}, address={ray_session.get_runtime_context().gcs_address!r}, "
         "lease_s=2.0)\n"
         "for i in range(3):\n"
-        "    h._engine.add_request('Hello', cluster.SamplingParams(max_tokens=900, ignore_eos=True))\n"
+        "    h.engine.add_request('Hello', cluster.SamplingParams(max_tokens=900, ignore_eos=True))\n"
         "print('submitted', flush=True)\n"
         "time.sleep(600)\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)

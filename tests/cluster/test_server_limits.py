@@ -13,10 +13,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from cluster.cli import build_parser, http_limits, main, resolve_api_key
-from cluster.embedded_http import EmbeddedHttp
-from cluster.http_limits import HttpLimits
+from cluster.openai.app import ServerState, build_app
+from cluster.openai.http_limits import HttpLimits
+from cluster.openai.http_server import HttpServer
 from cluster.outputs import RequestOutput
-from cluster.server import ServerState, build_app
 from tests.cluster.conftest import free_port
 
 KEY = "sk-limits"
@@ -211,10 +211,10 @@ def test_the_schema_describes_the_json_body_of_each_post_route():
 
 @pytest.fixture(scope="module")
 def server():
-    """The HTTP server as the engine actor runs it (EmbeddedHttp), on 127.0.0.1 with LIMITS;
+    """The HTTP server as the engine actor runs it (HttpServer), on 127.0.0.1 with LIMITS;
     its handle answers after 1.5 s, longer than the header and body timeouts."""
     port = free_port()
-    http = EmbeddedHttp({"host": "127.0.0.1", "port": port, "model_names": [MODEL], "api_key": KEY,
+    http = HttpServer({"host": "127.0.0.1", "port": port, "model_names": [MODEL], "api_key": KEY,
                          "access_log": False, "limits": LIMITS})
     asyncio.run(http.start())
     http.serve(FakeHandle(delay=1.5))

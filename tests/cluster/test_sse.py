@@ -8,9 +8,9 @@ import asyncio
 import json
 import random
 
-from cluster import openai_api as oa
+from cluster.openai import api_models as oa
+from cluster.openai.app import _CompletionEvents, _EventStream
 from cluster.outputs import RequestOutput, StreamDelta
-from cluster.server import _CompletionEvents, _EventStream
 
 
 def test_completion_chunk_text_is_the_chunk_dict_encoded():

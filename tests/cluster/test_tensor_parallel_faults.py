@@ -22,7 +22,7 @@ def expected():
 @pytest.mark.timeout(900)  # four engine starts of two actors each
 def test_a_rank_that_dies_raises_or_hangs_is_rebuilt_with_the_same_outputs(ray_session, expected, faulty_workers):
     with cluster.launch(num_kv_blocks=64, threads_per_worker=1, tensor_parallel_size=2, step_timeout_s=15.0) as llm:
-        rep = llm._engine.replicas[0]
+        rep = llm.engine.replicas[0]
         clean_seeded = [o.token_ids for o in llm.generate(PROMPTS, SEEDED)]
         # killed from outside mid-generation: rank 0 is left waiting in a collective
         t, box = generate_in_background(llm, PROMPTS, GREEDY)

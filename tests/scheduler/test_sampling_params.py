@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from scheduler.protocol import WorkerSampling
-from scheduler.request import MAX_LOGPROBS, MAX_N, Request, SamplingParams, choice_seed
+from scheduler.protocol import MAX_LOGPROBS, WorkerSampling
+from scheduler.request import MAX_N, Request, SamplingParams, choice_seed
 
 BAD_PARAMS = [
     ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 2.0), ("max_tokens", True), ("max_tokens", "8"),

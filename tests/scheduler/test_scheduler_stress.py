@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from scheduler.request import FinishReason, Request, SamplingParams
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.scheduler import Scheduler
+from scheduler.scheduler_config import SchedulerConfig
 from tests.factories import EOS, FakeRunner, assert_matches_reference, check_invariants
 
 BASES = [[100 + (b * 37 + j * 11) % 50 for j in range(48)] for b in range(3)]  # shared prefixes

@@ -11,7 +11,8 @@ from tests import oracle
 from tests.plans import PlanDriver
 from tests.workers.test_ops import TABLES
 from workers.loader import bundled_model_path
-from workers.runner import ModelRunner, RunnerConfig
+from workers.runner import ModelRunner
+from workers.runner_config import RunnerConfig
 
 BS = 4
 NEW = 24

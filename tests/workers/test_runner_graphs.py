@@ -13,7 +13,8 @@ from tests.plans import PlanDriver
 from tests.workers import npu_emulation
 from tests.workers.fake_graphs import FakeGraphDevice
 from workers.logits_codec import logits_tensor
-from workers.runner import ModelRunner, RunnerConfig
+from workers.runner import ModelRunner
+from workers.runner_config import RunnerConfig
 
 pytestmark = pytest.mark.npu_emulated
 

@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from cluster.reasoning import split_reasoning
-from cluster.tool_calls import parse_tool_calls
+from cluster.openai.reasoning import split_reasoning
+from cluster.openai.tool_calls import parse_tool_calls
 from workers.loader import bundled_model_path, eos_token_ids
 from workers.tiny_model.corpus import CHINESE, COUNTRIES, ENGLISH, TOOLS
 

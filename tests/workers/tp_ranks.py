@@ -78,7 +78,8 @@ def _rank_main(rank, world, port, jobs, plans, out):
 def _run_job(rank, parallel, plans, runner_kw, prompts, samplings, max_new, chunk):
     from scheduler.protocol import StepPlan
     from tests.plans import PlanDriver
-    from workers.runner import ModelRunner, RunnerConfig
+    from workers.runner import ModelRunner
+    from workers.runner_config import RunnerConfig
 
     runner = ModelRunner(RunnerConfig(device="cpu", num_threads=1, **runner_kw), parallel=parallel)
     runner.warmup()

@@ -51,14 +51,6 @@ class AttentionMetadata:
             yield i, start, n, self.seq_lens_host[i] - n
             start += n
 
-    @property
-    def max_query_len(self) -> int:
-        return max(self.query_lens_host, default=0)
-
-    @property
-    def max_seq_len(self) -> int:
-        return max(self.seq_lens_host, default=0)
-
 
 class AttentionBackend:
     """Paged attention over a KVCache (workers/kv_cache.py: per layer K and V of

@@ -1,7 +1,7 @@
 """The HTTP server inside the engine actor's process: `raylm serve`'s default frontend.
 
 With the HTTP server in a process of its own, every request and every delta crossed the
-frontend channel (cluster/channel.py): msgpack both ways, a Ray call per batch on each
+frontend channel (cluster/remote/messages.py): msgpack both ways, a Ray call per batch on each
 side, a second event loop, Ray's threads in two processes. On a 2-core host the HTTP
 process and the engine actor took 2.2-2.4 s of CPU per 8,192 streamed tokens between
 them, the one process here 1.3 s, and that CPU came off the core the worker shares
@@ -23,7 +23,7 @@ import asyncio
 import socket
 import threading
 
-from cluster.http_limits import DEFAULT_BACKLOG, HttpLimits
+from cluster.openai.http_limits import DEFAULT_BACKLOG, HttpLimits
 
 
 def bind(host: str, port: int, backlog: int = DEFAULT_BACKLOG) -> socket.socket:
@@ -44,13 +44,13 @@ def bind(host: str, port: int, backlog: int = DEFAULT_BACKLOG) -> socket.socket:
     return sock
 
 
-class EmbeddedHttp:
+class HttpServer:
     """uvicorn serving build_app() from a thread of this process; `spec` is the CLI's HTTP
     options: host, port, model_names, api_key, metrics_without_auth, max_body_bytes,
     access_log, limits (an HttpLimits; its defaults when absent)."""
 
     def __init__(self, spec: dict):
-        from cluster.server import ServerState
+        from cluster.openai.app import ServerState
 
         self.spec = dict(spec)
         self.limits = self.spec.get("limits") or HttpLimits()
@@ -62,8 +62,8 @@ class EmbeddedHttp:
     async def start(self) -> None:
         import uvicorn
 
-        from cluster.http_limits import uvicorn_options
-        from cluster.server import DEFAULT_MAX_BODY_BYTES, build_app
+        from cluster.openai.app import DEFAULT_MAX_BODY_BYTES, build_app
+        from cluster.openai.http_limits import uvicorn_options
 
         sock = bind(self.spec["host"], int(self.spec["port"]), self.limits.backlog)
         app = build_app(self.state, int(self.spec.get("max_body_bytes") or DEFAULT_MAX_BODY_BYTES),

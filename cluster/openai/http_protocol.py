@@ -1,5 +1,5 @@
 """uvicorn's httptools protocol with the bounds uvicorn lacks on a request's head: its size,
-its number of headers and the time it may take (the limits: cluster/http_limits.py)."""
+its number of headers and the time it may take (the limits: cluster/openai/http_limits.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from cluster.openai_api import error_body
+from cluster.openai.api_models import error_body
 
 if TYPE_CHECKING:  # http_limits builds this protocol (uvicorn_options)
-    from cluster.http_limits import HttpLimits
+    from cluster.openai.http_limits import HttpLimits
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):

@@ -3,11 +3,11 @@
 A frontend (the HTTP server, a `cluster.connect()` handle) talks to an EngineActor with
 two calls, each carrying many requests at once:
 
-- `push(frontend_id, ops)`: submissions `[SUBMIT, request_id, prompt, params, group]` (group:
+- `push(connection_id, ops)`: submissions `[SUBMIT, request_id, prompt, params, group]` (group:
   None, or the id that keeps one request's choices on one replica) and aborts
   `[ABORT, request_id]`; the reply lists the submissions refused (`[request_id, kind,
   message, retry_after_s]`, kind one of REFUSALS).
-- `pull(frontend_id, wait_s)`: every delta of this frontend's requests produced since the
+- `pull(connection_id, wait_s)`: every delta of this frontend's requests produced since the
   last pull, one entry per delta:
   `[request_id, text, token_ids, finish_reason, logprobs, final]`, where logprobs is None
   or `[[token_id, token, logprob, [[id, token, logprob], ...]], ...]` and final (on the

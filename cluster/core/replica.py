@@ -15,7 +15,7 @@ tokens, so the worker never waits on the driver. An idle replica blocks on an Ev
 polling). A worker that dies, raises or hangs past the step timeout is replaced and every
 unfinished request is recomputed from its prompt and the tokens it already has.
 
-Healing (cluster/replica_health.py, cluster/restart_budget.py): restarts are a rate, at
+Healing (cluster/core/health.py, cluster/core/health.py): restarts are a rate, at
 most `max_worker_restarts` within `restart_window_s`, spaced by a doubling backoff.
 Beyond the budget the replica gives up: its requests finish with an error and the router
 skips it. After `replica_cooldown_s` the loop starts a worker again; once it answers,
@@ -44,9 +44,9 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from cluster.config import EngineConfig
+from cluster.core.health import ReplicaHealth
+from cluster.core.placement import release, scheduling_strategy
 from cluster.errors import EngineDeadError
-from cluster.placement import release, scheduling_strategy
-from cluster.replica_health import ReplicaHealth
 from scheduler.grammar_spec import GrammarSpec
 from scheduler.protocol import StepResult, pack_int32, sampled_on_device
 from scheduler.request import FinishReason, Request, RequestUpdate

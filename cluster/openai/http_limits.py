@@ -5,15 +5,15 @@ connection is closed), idle keep-alive connections (`timeout_keep_alive`) and th
 backlog. Its httptools protocol bounds nothing else: a connection that sends nothing, or
 a request's headers a byte at a time, stays open for good, and a request's headers may be
 megabytes long or number in the tens of thousands (`h11_max_incomplete_event_size` is the
-h11 protocol's alone). LimitedHttpToolsProtocol (cluster/http_protocol.py) adds those
+h11 protocol's alone). LimitedHttpToolsProtocol (cluster/openai/http_protocol.py) adds those
 bounds: a request's head (its request line and headers) must arrive within
 `request_header_timeout` seconds (else 408, or a plain close when nothing arrived), in at
 most `max_header_bytes` bytes and `max_headers` headers (else 431); either way the
 connection is closed. A request body must arrive within `request_body_timeout` seconds of
-the handler's first read (408, from cluster/server.py's BodyLimit, which counts the body's
+the handler's first read (408, from cluster/openai/app.py's BodyLimit, which counts the body's
 bytes already).
 
-Both places the server runs (the engine actor's process, cluster/embedded_http.py, and
+Both places the server runs (the engine actor's process, cluster/openai/http_server.py, and
 `raylm serve --frontend process`, cluster/cli.py) take uvicorn's options from
 uvicorn_options(), so each limit is set once. This module imports neither uvicorn nor
 pydantic: the CLI reads its defaults.
@@ -63,7 +63,7 @@ class HttpLimits:
 def uvicorn_options(limits: HttpLimits, access_log: bool) -> dict:
     """uvicorn.Config's keyword arguments, the app and where to listen aside. Lifespan off:
     the app has no startup hooks (and uvicorn exits when one fails); no WebSockets."""
-    from cluster.http_protocol import LimitedHttpToolsProtocol
+    from cluster.openai.http_protocol import LimitedHttpToolsProtocol
 
     return dict(http=functools.partial(LimitedHttpToolsProtocol, limits=limits), ws="none", lifespan="off",
                 log_level="info", access_log=access_log, timeout_keep_alive=limits.timeout_keep_alive,

@@ -5,7 +5,7 @@
 input (naming the field and value), 401 bad or missing API key, 404 unknown model or route,
 408 body not received in time, 413 body over the limit, 429 queue full, 503 not ready or no
 replica (with Retry-After). With an API key every route but /health needs it (/metrics too,
-unless opened); cluster/http_limits.py bounds connections and request heads.
+unless opened); cluster/openai/http_limits.py bounds connections and request heads.
 
 /openapi.json describes the JSON bodies of the POST routes from their pydantic models, which
 the routes parse themselves (strictly, with the errors above) from the raw body.
@@ -34,11 +34,11 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import cluster.openai_api as oa
-import cluster.tokenize_api as tk
-from cluster.chat_output import ChatOutput
+import cluster.openai.api_models as oa
+import cluster.openai.tokenize_api as tk
 from cluster.errors import EngineDeadError, EngineOverloadedError
-from cluster.http_limits import DEFAULT_REQUEST_BODY_TIMEOUT_S
+from cluster.openai.chat_output import ChatOutput
+from cluster.openai.http_limits import DEFAULT_REQUEST_BODY_TIMEOUT_S
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs until the context is full

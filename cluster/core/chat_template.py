@@ -1,14 +1,14 @@
 """The prompt text of a chat, checked and rendered with a chat template, within bounds.
 
-`render_chat` serves the engine (cluster/engine.py) and every connected frontend
-(cluster/engine_client.py), which renders and tokenizes locally when it has the model's
+`render_chat` serves the engine (cluster/core/engine.py) and every connected frontend
+(cluster/remote/remote_engine.py), which renders and tokenizes locally when it has the model's
 tokenizer, so the engine actor's event loop spends no time on templates or tokenizing.
 
 The model's own template renders through HF's apply_chat_template. A template a request brings
 (the `chat_template` field, or chat_template_kwargs.chat_template: vLLM's names) is the client's
 code: it is refused unless the server opted in (EngineConfig.trust_request_chat_template,
 `raylm serve --trust-request-chat-template`, as vLLM's --trust-request-chat-template), and then
-renders in raylm's own sandbox (cluster/template_sandbox.py), with the variables HF gives a
+renders in raylm's own sandbox (cluster/core/template_sandbox.py), with the variables HF gives a
 template, within MAX_RENDER_S and MAX_PROMPT_CHARS. Every failure of a template is a
 ValueError that starts with the field at fault: "chat_template: ..." for the request's
 template, "messages: ..." for the model's template failing on the messages given.
@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import jinja2
 
-from cluster.template_sandbox import MAX_PROMPT_CHARS, BoundExceeded, render_bounded
+from cluster.core.template_sandbox import MAX_PROMPT_CHARS, BoundExceeded, render_bounded
 
 # set by the server, or options of HF's apply_chat_template that change what it returns
 # rather than variables of the template; chat_template is the one option a request may give

@@ -4,7 +4,7 @@ Bodies are parsed strictly from JSON (a string where a number belongs is an erro
 naming the field); ranges are then checked by SamplingParams, whose errors name the
 field and value. Chat requests may offer tools (tool_choice "none", "auto", "required" or a named function)
 and pass chat_template_kwargs (e.g. {"enable_thinking": false}) to the template; replies
-carry reasoning_content and tool_calls (cluster/chat_output.py). response_format (json_object,
+carry reasoning_content and tool_calls (cluster/openai/chat_output.py). response_format (json_object,
 json_schema) and a forced tool call constrain decoding with a grammar (a GrammarSpec checked
 here, compiled and applied on the worker: workers/grammar_masks.py). `n` (1..16, MAX_N) asks
 for n choices, indexed 0..n-1 (a list of k prompts on /v1/completions gives k*n, choice i
@@ -25,7 +25,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from cluster.chat_template import RESERVED_TEMPLATE_KWARGS, with_request_template
+from cluster.core.chat_template import RESERVED_TEMPLATE_KWARGS, with_request_template
 from cluster.outputs import RequestOutput, StreamDelta, TokenLogprob
 from scheduler.grammar_spec import GrammarSpec
 from scheduler.request import GENERATION_CONFIG_FIELDS, SamplingParams
@@ -297,7 +297,7 @@ class ChatCompletionRequest(_Common):
 
     def forced_prefix(self) -> str:
         """The start of a tool call that "required" or a named function puts at the end of the prompt
-        (the rest is constrained by cluster/tool_grammar.py's grammar, which starts where this ends)."""
+        (the rest is constrained by cluster/openai/tool_grammar.py's grammar, which starts where this ends)."""
         choice = self.effective_tool_choice()
         if isinstance(choice, NamedToolChoice):
             # no space after the colon: the model's tokens put it in front of the next "{"
@@ -316,7 +316,7 @@ class ChatCompletionRequest(_Common):
         """response_format's grammar, or a forced tool call's (the part after forced_prefix)."""
         choice = self.effective_tool_choice()
         if choice == "required" or isinstance(choice, NamedToolChoice):
-            from cluster.tool_grammar import tool_call_grammar
+            from cluster.openai.tool_grammar import tool_call_grammar
             from workers.grammar import xgrammar_available
 
             if not xgrammar_available():  # as before xgrammar: the prompt forces the call's start only
@@ -343,7 +343,7 @@ class ChatCompletionRequest(_Common):
         return self.top_logprobs if self.top_logprobs is not None else 0
 
 
-TEMPLATE_RESERVED = RESERVED_TEMPLATE_KWARGS  # cluster/chat_template.py says which and why
+TEMPLATE_RESERVED = RESERVED_TEMPLATE_KWARGS  # cluster/core/chat_template.py says which and why
 
 
 def _shown(value) -> object:

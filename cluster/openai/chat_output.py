@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from cluster.reasoning import ReasoningStream, opens_in_think
-from cluster.tool_calls import ToolCallStream, new_call_id
+from cluster.openai.reasoning import ReasoningStream, opens_in_think
+from cluster.openai.tool_calls import ToolCallStream, new_call_id
 
 
 class ChatOutput:

@@ -22,16 +22,16 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from cluster.chat_template import encode_prompt, render_chat
 from cluster.config import EngineConfig
-from cluster.detokenizer import IncrementalDetokenizer
+from cluster.core.chat_template import encode_prompt, render_chat
+from cluster.core.detokenizer import IncrementalDetokenizer
+from cluster.core.metrics import EngineMetrics
+from cluster.core.placement import cpu_worker_threads, create_replica_groups, release, worker_resources
+from cluster.core.replica import Replica
+from cluster.core.router import Router
+from cluster.core.stream import RequestStream, deliver
 from cluster.errors import EngineDeadError, EngineOverloadedError, RequestRefused
-from cluster.metrics import EngineMetrics
 from cluster.outputs import RequestMetrics, RequestOutput, StreamDelta, TokenLogprob
-from cluster.placement import cpu_worker_threads, create_replica_groups, release, worker_resources
-from cluster.replica import Replica
-from cluster.router import Router
-from cluster.stream import RequestStream, deliver
 from scheduler.checks import all_ints_in, is_int
 from scheduler.protocol import check_token_ids
 from scheduler.request import FinishReason, Request, SamplingParams
@@ -54,7 +54,7 @@ class _RequestState:
     group: str | None = None  # requests of one group run on one replica (the choices of one request)
 
 
-class Engine:
+class LocalEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.replicas: list[Replica] = []
@@ -74,7 +74,7 @@ class Engine:
                               max_num_batched_tokens=config.max_num_batched_tokens)
 
     # ---- lifecycle ----
-    def start(self) -> Engine:
+    def start(self) -> LocalEngine:
         from workers.loader import (
             bundled_model_path,
             eos_token_ids,
@@ -139,7 +139,7 @@ class Engine:
     # ---- requests ----
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             template_kwargs: dict | None = None) -> str:
-        """The prompt text of a conversation (cluster/chat_template.py)."""
+        """The prompt text of a conversation (cluster/core/chat_template.py)."""
         self._need_tokenizer("chat messages")
         return render_chat(self.tokenizer, messages, tools, template_kwargs, self.config.trust_request_chat_template)
 
@@ -388,6 +388,7 @@ class Engine:
         pulled = total.get("decode_bytes_pulled", 0)
         total["bytes_pulled_per_decode_step"] = pulled / decode_steps if decode_steps else 0.0
         total["rows_per_decode_step"] = total.get("decode_rows", 0) / decode_steps if decode_steps else 0.0
+        total["open_requests"] = len(self._requests)  # accepted and not finished, as the engine tracks them
         total["num_replicas"] = len(self.replicas)
         total["tensor_parallel_size"] = self.config.tensor_parallel_size
         total["replicas_alive"] = sum(1 for r in self.replicas if not r.dead)

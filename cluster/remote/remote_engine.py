@@ -1,9 +1,9 @@
-"""EngineClient: the client side of an EngineActor, what `connect()` hands to LLMHandle.
+"""RemoteEngine: the client side of an EngineActor, what `connect()` hands to LLMHandle.
 
-EngineClient gives LLMHandle the same methods a local Engine has, so a connected handle
+RemoteEngine gives LLMHandle the same methods a local Engine has, so a connected handle
 generates, streams, chats and reports stats like a launched one. Requests and their
-outputs travel over the frontend channel (cluster/channel.py): each EngineClient is one
-Frontend, whose submissions, aborts and deltas cross in batches, never one Ray call per
+outputs travel over the frontend channel (cluster/remote/messages.py): each RemoteEngine is one
+EngineConnection, whose submissions, aborts and deltas cross in batches, never one Ray call per
 request or per token.
 """
 
@@ -14,12 +14,12 @@ import uuid
 import ray
 from ray.exceptions import RayTaskError
 
-from cluster.chat_template import encode_prompt, render_chat
 from cluster.config import EngineConfig
-from cluster.engine_actor import NAMESPACE
-from cluster.frontend import Frontend
-from cluster.outbox import DEFAULT_LEASE_S
-from cluster.stream import RequestStream
+from cluster.core.chat_template import encode_prompt, render_chat
+from cluster.core.stream import RequestStream
+from cluster.remote.connection import EngineConnection
+from cluster.remote.engine_actor import NAMESPACE
+from cluster.remote.outbox import DEFAULT_LEASE_S
 
 _UNKNOWN = object()
 
@@ -37,7 +37,7 @@ def _get(ref):
         raise _cause(e) from None
 
 
-class EngineClient:
+class RemoteEngine:
     """A connected engine: requests over the frontend channel, the rest as Ray calls."""
 
     def __init__(self, actor, info: dict, lease_s: float = DEFAULT_LEASE_S):
@@ -53,10 +53,10 @@ class EngineClient:
         # now, not on the first request: loading it imports transformers and torch (seconds), and
         # `raylm serve` tokenizes on its event loop, which would stall every request meanwhile
         self.local_tokenizer()
-        self.frontend = Frontend(actor, lease_s=lease_s)
+        self.connection = EngineConnection(actor, lease_s=lease_s)
 
     @classmethod
-    def attach(cls, name: str, namespace: str = NAMESPACE, lease_s: float = DEFAULT_LEASE_S) -> EngineClient:
+    def attach(cls, name: str, namespace: str = NAMESPACE, lease_s: float = DEFAULT_LEASE_S) -> RemoteEngine:
         try:
             actor = ray.get_actor(name, namespace=namespace)
         except ValueError:
@@ -100,7 +100,7 @@ class EngineClient:
         else:  # tokenized here, off the engine's loop
             wire = self.encode_text(prompt) if isinstance(prompt, str) else None
             wire = prompt if wire is None else wire
-        return self.frontend.submit(prompt, params, rid, loop, wire_prompt=wire, sink=sink, group=group)
+        return self.connection.submit(prompt, params, rid, loop, wire_prompt=wire, sink=sink, group=group)
 
     def apply_chat_template(self, messages, tools=None, template_kwargs=None) -> str:
         tok = self.local_tokenizer()
@@ -109,7 +109,7 @@ class EngineClient:
         return _get(self._actor.apply_chat_template.remote(messages, tools, template_kwargs))
 
     def abort(self, request_id: str) -> bool:
-        return self.frontend.abort(request_id)
+        return self.connection.abort(request_id)
 
     def stats(self) -> dict:
         return _get(self._actor.stats.remote())
@@ -126,10 +126,10 @@ class EngineClient:
     def shutdown(self) -> None:
         """Detach (aborting what this handle left running); the engine keeps serving
         others (stop it with `stop_engine`)."""
-        self.frontend.close()
+        self.connection.close()
 
     def stop_engine(self) -> None:
-        self.frontend.close()
+        self.connection.close()
         try:
             _get(self._actor.shutdown.remote())
         except ray.exceptions.RayActorError:

@@ -1,12 +1,12 @@
 """EngineActor: an Engine inside a named, detached, async Ray actor (`raylm serve` starts one).
 
-Its client is EngineClient (cluster/engine_client.py), which `connect()` and the HTTP
+Its client is RemoteEngine (cluster/remote/remote_engine.py), which `connect()` and the HTTP
 server of `raylm serve` use. Requests and outputs cross over the frontend channel
-(cluster/channel.py): `push` brings a frontend's submissions and aborts in batches, `pull`
-hands it every delta of its requests since its last pull (cluster/outbox.py).
+(cluster/remote/messages.py): `push` brings a frontend's submissions and aborts in batches, `pull`
+hands it every delta of its requests since its last pull (cluster/remote/outbox.py).
 
 `raylm serve` (by default) also runs its HTTP server in this process, on a thread of its
-own, over a local handle to the engine (cluster/embedded_http.py): HTTP traffic skips the
+own, over a local handle to the engine (cluster/openai/http_server.py): HTTP traffic skips the
 channel.
 
 Every thread of this process shares one GIL: the replica loops, the event loop serving
@@ -27,30 +27,30 @@ import sys
 import ray
 
 from cluster.config import DEFAULT_GIL_SWITCH_INTERVAL_MS, EngineConfig, check_gil_switch_interval_ms
-from cluster.outbox import Outboxes
+from cluster.remote.outbox import Outboxes
 
 NAMESPACE = "raylm"
 
 
 class EngineActor:
     def __init__(self, config: dict, gil_switch_interval_ms: float | None = DEFAULT_GIL_SWITCH_INTERVAL_MS):
-        from cluster.engine import Engine
+        from cluster.core.engine import LocalEngine
 
         if gil_switch_interval_ms is not None:  # None: Python's own (5 ms)
             sys.setswitchinterval(gil_switch_interval_ms / 1000)
-        self.engine = Engine(EngineConfig(**config))
+        self.engine = LocalEngine(EngineConfig(**config))
         self._outboxes = Outboxes(self.engine)
         self._ready = False
-        self._http = None  # EmbeddedHttp, when `raylm serve` runs its HTTP server here
+        self._http = None  # HttpServer, when `raylm serve` runs its HTTP server here
 
     async def start_http(self, spec: dict) -> None:
-        """Listen for HTTP on this process (spec: EmbeddedHttp's); before start(), so the
+        """Listen for HTTP on this process (spec: HttpServer's); before start(), so the
         port is taken at once and /health says "loading" while the model loads."""
-        from cluster.embedded_http import EmbeddedHttp
+        from cluster.openai.http_server import HttpServer
 
         if self._http is not None:
             raise RuntimeError("this engine already serves HTTP")
-        http = EmbeddedHttp(spec)
+        http = HttpServer(spec)
         await http.start()
         self._http = http
 
@@ -78,23 +78,23 @@ class EngineActor:
                 "gil_switch_interval_ms": sys.getswitchinterval() * 1000}
 
     # ---- the frontend channel ----
-    async def open_frontend(self, frontend_id: str, lease_s: float) -> None:
-        self._outboxes.open(frontend_id, lease_s)
+    async def open_connection(self, connection_id: str, lease_s: float) -> None:
+        self._outboxes.open(connection_id, lease_s)
 
     # push / pull run per batch of a frontend's traffic (every few ms under load): no task event
     # to the GCS for each, as for the workers' per-step execute
     @ray.method(enable_task_events=False)
-    async def push(self, frontend_id: str, ops: bytes) -> bytes:
+    async def push(self, connection_id: str, ops: bytes) -> bytes:
         if not self._ready:
             raise RuntimeError("the engine is still loading")
-        return self._outboxes.push(frontend_id, ops)
+        return self._outboxes.push(connection_id, ops)
 
     @ray.method(enable_task_events=False)
-    async def pull(self, frontend_id: str, wait_s: float) -> bytes:
-        return await self._outboxes.pull(frontend_id, wait_s)
+    async def pull(self, connection_id: str, wait_s: float) -> bytes:
+        return await self._outboxes.pull(connection_id, wait_s)
 
-    async def close_frontend(self, frontend_id: str) -> int:
-        return self._outboxes.close(frontend_id)
+    async def close_connection(self, connection_id: str) -> int:
+        return self._outboxes.close(connection_id)
 
     # The rest may block (a lock the replica loop holds, a worker's stats call that waits for its
     # step): on the executor, so the event loop keeps serving every frontend's push and pull.
@@ -136,7 +136,7 @@ RemoteEngineActor = ray.remote(num_cpus=0, max_concurrency=1000, max_restarts=0)
 def launch_detached(config: EngineConfig, name: str, namespace: str = NAMESPACE, http: dict | None = None,
                     gil_switch_interval_ms: float | None = DEFAULT_GIL_SWITCH_INTERVAL_MS):
     """Start a named, detached EngineActor; returns it and the ref of its start() (the
-    model loaded). With `http` (EmbeddedHttp's spec) the actor runs on this node and
+    model loaded). With `http` (HttpServer's spec) the actor runs on this node and
     listens there before loading: an error taking the port is raised here."""
     check_gil_switch_interval_ms(gil_switch_interval_ms)
     try:

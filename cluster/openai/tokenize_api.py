@@ -1,11 +1,11 @@
 """/tokenize and /detokenize, as vLLM's OpenAI server has them (its load client and
 users' tooling probe them): a prompt or a chat's messages -> token ids, and back. A chat may
-bring its own template (chat_template), refused unless the server opted in (cluster/chat_template.py)."""
+bring its own template (chat_template), refused unless the server opted in (cluster/core/chat_template.py)."""
 
 from __future__ import annotations
 
-from cluster.chat_template import with_request_template
-from cluster.openai_api import ChatMessage, StrictModel
+from cluster.core.chat_template import with_request_template
+from cluster.openai.api_models import ChatMessage, StrictModel
 
 
 class TokenizeRequest(StrictModel):

@@ -1,4 +1,4 @@
-"""Outboxes: the engine actor's side of the frontend channel (see cluster/channel.py).
+"""Outboxes: the engine actor's side of the frontend channel (see cluster/remote/messages.py).
 
 Each connected frontend has one Outbox. It is the sink of every request that frontend
 submitted: the engine puts the requests' deltas into it from its replica threads, and
@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 
-import cluster.channel as channel
+import cluster.remote.messages as messages
 from cluster.errors import RequestRefused
 from cluster.outputs import StreamDelta
 
@@ -25,8 +25,8 @@ MAX_PULL_WAIT_S = 5.0
 
 
 class Outbox:
-    def __init__(self, frontend_id: str, loop: asyncio.AbstractEventLoop, lease_s: float):
-        self.frontend_id = frontend_id
+    def __init__(self, connection_id: str, loop: asyncio.AbstractEventLoop, lease_s: float):
+        self.connection_id = connection_id
         self.lease_s = lease_s
         self.requests: set[str] = set()  # submitted here and not finished
         self.last_seen = time.monotonic()
@@ -73,8 +73,8 @@ class Outbox:
         if items:
             self.batches += 1
             self.deltas += len(items)
-        return channel.pack([channel.refusal(d.request_id, d) if isinstance(d, RequestRefused)
-                             else channel.delta_entry(d) for d in items])
+        return messages.pack([messages.refusal(d.request_id, d) if isinstance(d, RequestRefused)
+                             else messages.delta_entry(d) for d in items])
 
     def expired(self, now: float) -> bool:
         return not self.pulling and now - self.last_seen > self.lease_s
@@ -99,29 +99,29 @@ class Outboxes:
         self.expired = 0  # frontends dropped for outliving their lease
         self._closed_batches = self._closed_deltas = 0
 
-    def open(self, frontend_id: str, lease_s: float = DEFAULT_LEASE_S) -> None:
+    def open(self, connection_id: str, lease_s: float = DEFAULT_LEASE_S) -> None:
         if not isinstance(lease_s, (int, float)) or isinstance(lease_s, bool) or lease_s <= 0:
             raise ValueError(f"lease_s must be a positive number, got {lease_s!r}")
         loop = asyncio.get_running_loop()
-        if frontend_id in self._boxes:
-            raise ValueError(f"frontend {frontend_id!r} is already connected")
-        self._boxes[frontend_id] = Outbox(frontend_id, loop, float(lease_s))
+        if connection_id in self._boxes:
+            raise ValueError(f"frontend {connection_id!r} is already connected")
+        self._boxes[connection_id] = Outbox(connection_id, loop, float(lease_s))
         if self._reaper is None:
             self._reaper = loop.create_task(self._reap_forever())
 
-    def _box(self, frontend_id: str) -> Outbox:
-        box = self._boxes.get(frontend_id)
+    def _box(self, connection_id: str) -> Outbox:
+        box = self._boxes.get(connection_id)
         if box is None:
-            raise ValueError(f"frontend {frontend_id!r} is not connected (its lease may have run out)")
+            raise ValueError(f"frontend {connection_id!r} is not connected (its lease may have run out)")
         return box
 
-    def push(self, frontend_id: str, data: bytes) -> bytes:
+    def push(self, connection_id: str, data: bytes) -> bytes:
         """Submissions and aborts, in order; returns the refused submissions."""
-        box = self._box(frontend_id)
+        box = self._box(connection_id)
         box.last_seen = time.monotonic()
         refused = []
-        for op in channel.unpack(data):
-            if op[0] == channel.ABORT:
+        for op in messages.unpack(data):
+            if op[0] == messages.ABORT:
                 self.engine.abort(op[1])
                 continue
             _, rid, prompt, params, group = op
@@ -130,19 +130,19 @@ class Outboxes:
             try:
                 if group is not None and not isinstance(group, str):
                     raise ValueError(f"group must be a string or None, got {group!r}")
-                self.engine.add_request(prompt, channel.params_from(params), rid, sink=box, group=group)
+                self.engine.add_request(prompt, messages.params_from(params), rid, sink=box, group=group)
             except Exception as e:  # bad input, a full queue, no replica: the frontend raises it
                 with box._lock:
                     box.requests.discard(rid)
-                refused.append(channel.refusal(rid, e))
-        return channel.pack(refused)
+                refused.append(messages.refusal(rid, e))
+        return messages.pack(refused)
 
-    async def pull(self, frontend_id: str, wait_s: float) -> bytes:
-        return await self._box(frontend_id).take(min(max(float(wait_s), 0.0), MAX_PULL_WAIT_S))
+    async def pull(self, connection_id: str, wait_s: float) -> bytes:
+        return await self._box(connection_id).take(min(max(float(wait_s), 0.0), MAX_PULL_WAIT_S))
 
-    def close(self, frontend_id: str) -> int:
+    def close(self, connection_id: str) -> int:
         """Disconnect a frontend and abort what it left running; returns how many."""
-        box = self._boxes.pop(frontend_id, None)
+        box = self._boxes.pop(connection_id, None)
         if box is None:
             return 0
         left = box.close()
@@ -164,7 +164,7 @@ class Outboxes:
             await asyncio.sleep(min([1.0] + [b.lease_s / 4 for b in self._boxes.values()]))
             now = time.monotonic()
             for box in [b for b in self._boxes.values() if b.expired(now)]:
-                n = self.close(box.frontend_id)
+                n = self.close(box.connection_id)
                 self.expired += 1
                 log.warning("frontend %s stopped pulling for over %.0f s; aborted its %d request(s)",
-                            box.frontend_id, box.lease_s, n)
+                            box.connection_id, box.lease_s, n)

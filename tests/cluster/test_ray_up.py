@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from cluster.cli import main
-from cluster.launcher import check_head_ssh, load_cluster_config
+from cluster.ray_up import check_head_ssh, load_cluster_config
 
 CLUSTER_YAML = Path(__file__).resolve().parents[2] / "deploy" / "ascend-cluster.yaml"
 

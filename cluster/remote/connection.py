@@ -1,4 +1,4 @@
-"""Frontend: one process's connection to an EngineActor (see cluster/channel.py).
+"""EngineConnection: one process's connection to an EngineActor (see cluster/remote/messages.py).
 
 The HTTP server and every `cluster.connect()` handle hold one. Two threads carry all
 traffic, whatever the number of requests:
@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 import ray
 
-import cluster.channel as channel
+import cluster.remote.messages as messages
+from cluster.core.stream import RequestStream, deliver
 from cluster.errors import EngineDeadError
-from cluster.outbox import DEFAULT_LEASE_S
 from cluster.outputs import StreamDelta, TokenLogprob
-from cluster.stream import RequestStream, deliver
+from cluster.remote.outbox import DEFAULT_LEASE_S
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +42,9 @@ class _Open:
     logprobs: list[TokenLogprob] | None
 
 
-class Frontend:
+class EngineConnection:
     def __init__(self, actor, *, lease_s: float = DEFAULT_LEASE_S, pull_wait_s: float = PULL_WAIT_S):
-        self.frontend_id = uuid.uuid4().hex
+        self.connection_id = uuid.uuid4().hex
         self._actor = actor
         self._wait_s = min(pull_wait_s, lease_s / 4)
         self._lock = threading.Condition()
@@ -53,7 +53,7 @@ class Frontend:
         self._closed = False
         self.error: BaseException | None = None
         self.pushes = self.pulls = 0
-        ray.get(actor.open_frontend.remote(self.frontend_id, lease_s))
+        ray.get(actor.open_connection.remote(self.connection_id, lease_s))
         self._threads = [threading.Thread(target=f, name=f"raylm-frontend-{n}", daemon=True)
                          for n, f in (("push", self._push_loop), ("pull", self._pull_loop))]
         for t in self._threads:
@@ -74,7 +74,7 @@ class Frontend:
             want_lps = params is not None and params.logprobs is not None
             self._open[request_id] = _Open(stream, prompt, [] if want_lps else None)
             wire = prompt if wire_prompt is None else wire_prompt
-            self._ops.append(channel.submit_op(request_id, wire, params, group))
+            self._ops.append(messages.submit_op(request_id, wire, params, group))
             self._lock.notify()
         return stream
 
@@ -83,13 +83,9 @@ class Frontend:
         with self._lock:
             if request_id not in self._open or self._closed:
                 return False
-            self._ops.append(channel.abort_op(request_id))
+            self._ops.append(messages.abort_op(request_id))
             self._lock.notify()
         return True
-
-    def num_open(self) -> int:
-        with self._lock:
-            return len(self._open)
 
     def close(self) -> None:
         """Disconnect: the engine aborts what this frontend left running."""
@@ -99,7 +95,7 @@ class Frontend:
             self._closed = True
             self._lock.notify_all()
         try:
-            ray.get(self._actor.close_frontend.remote(self.frontend_id), timeout=30)
+            ray.get(self._actor.close_connection.remote(self.connection_id), timeout=30)
         except Exception as e:  # the engine is gone already
             log.debug("closing frontend: %s", e)
         self._fail_all(EngineDeadError("this connection to the engine was closed"))
@@ -114,7 +110,7 @@ class Frontend:
                     return
                 ops, self._ops = self._ops, []
             try:
-                refused = channel.unpack(ray.get(self._actor.push.remote(self.frontend_id, channel.pack(ops))))
+                refused = messages.unpack(ray.get(self._actor.push.remote(self.connection_id, messages.pack(ops))))
                 self.pushes += 1
             except Exception as e:
                 self._lost(e)
@@ -124,13 +120,13 @@ class Frontend:
                 for rid, kind, message, retry_after_s in refused:
                     entry = self._open.pop(rid, None)
                     if entry is not None:
-                        items.append((entry.stream, channel.refusal_error(kind, message, retry_after_s)))
+                        items.append((entry.stream, messages.refusal_error(kind, message, retry_after_s)))
             deliver(items)
 
     def _pull_loop(self) -> None:
         while not self._closed:
             try:
-                entries = channel.unpack(ray.get(self._actor.pull.remote(self.frontend_id, self._wait_s)))
+                entries = messages.unpack(ray.get(self._actor.pull.remote(self.connection_id, self._wait_s)))
                 self.pulls += 1
             except Exception as e:
                 self._lost(e)
@@ -142,22 +138,22 @@ class Frontend:
         items = []
         with self._lock:
             for e in entries:
-                if len(e) == 4:  # refused after it was accepted (channel.refusal)
+                if len(e) == 4:  # refused after it was accepted (messages.refusal)
                     entry = self._open.pop(e[0], None)
                     if entry is not None:
-                        items.append((entry.stream, channel.refusal_error(*e[1:])))
+                        items.append((entry.stream, messages.refusal_error(*e[1:])))
                     continue
                 rid, text, token_ids, reason, lps, final = e
                 entry = self._open.get(rid)
                 if entry is None:
                     continue
-                logprobs = channel.entry_logprobs(lps)
+                logprobs = messages.entry_logprobs(lps)
                 if logprobs and entry.logprobs is not None:
                     entry.logprobs.extend(logprobs)
                 output = None
                 if reason is not None:
                     del self._open[rid]
-                    output = channel.entry_output(rid, entry.prompt, reason, final, entry.logprobs)
+                    output = messages.entry_output(rid, entry.prompt, reason, final, entry.logprobs)
                 items.append((entry.stream, StreamDelta(rid, text, token_ids, logprobs, reason, output)))
         return items
 
