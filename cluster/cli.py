@@ -317,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "server's CPU under a burst of short requests)")
     s.add_argument("--lazy-structured-output", action="store_true",
                    help="load the tokenizer and xgrammar into a worker with its first grammar request, not "
-                        "while it starts (that request's step then holds the replica's others ~1.2-1.5 s)")
+                        "while it starts (that request then waits a second or two longer; the others do not)")
     s.add_argument("--generation-config", choices=GENERATION_CONFIG_MODES, default=None,
                    help="'auto' (the default): requests that leave temperature, top_p, top_k, min_p, "
                         "the penalties or max_tokens out get the model's generation_config.json values, "

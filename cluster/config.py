@@ -80,7 +80,7 @@ class EngineConfig:
     max_new_tokens as max_tokens) as the defaults of requests that leave them unset, as vLLM
     does; "none" ignores them (vLLM's `--generation-config vllm`).
     `prepare_structured_output` loads the tokenizer and xgrammar into each worker while it
-    starts (~1.5 s on a 2-core host), where xgrammar is installed and the model has a
+    starts (a second or two: the tokenizer and xgrammar's vocab tables), where xgrammar is installed and the model has a
     tokenizer, instead of in the step of the first request with a grammar, which held every
     request of the replica meanwhile. `raylm serve` turns it on; off by default here.
     `step_channel` is how each step reaches a worker: "socket" over a TCP connection to the

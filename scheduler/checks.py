@@ -16,7 +16,7 @@ def is_int(x) -> bool:
 
 def all_ints(values) -> bool:
     """Every value an int (not a bool). Exact ints are checked in C: this runs per request on the serving
-    path, where the per-element Python check cost ~20 us for a 300-token prompt."""
+    path, where a per-element Python check costs more than the rest of a request's validation."""
     return set(map(type, values)) <= {int} or all(is_int(t) for t in values)
 
 

@@ -84,27 +84,8 @@ class ModelRunner:
                 raise ValueError(f"prefill_threads must be >= num_threads {config.num_threads}, got {prefill}")
             self.cpu_threads = (config.num_threads, prefill)
         self.device = torch_device(config.device, config.device_index)
-        tokenizer_size = None
         self.weights_fingerprint: float | None = None  # set for random models, to check copies agree
-        requested = resolve_dtype(config.dtype) if config.dtype else None
-        stored = None  # the weights' own dtype
-        given = model is not None
-        if model is None and is_random_spec(config.model):
-            model = random_model(config.model, dtype=requested, device=self.device,  # None: the shape's dtype
-                                 parallel=parallel)
-            self.weights_fingerprint = weights_fingerprint(model)
-        elif model is None:
-            path = config.model or bundled_model_path()
-            stored = resolve_dtype(load_config(path).torch_dtype)  # cast while loading: no second copy
-            model = load_model(path, dtype=compute_dtype(self.device, stored, requested), device=self.device,
-                               parallel=parallel)
-            tokenizer_size = _tokenizer_size(path)
-        self.weights_dtype = stored or model.dtype
-        dtype = compute_dtype(self.device, self.weights_dtype, requested)
-        if model.dtype != dtype or model.model.embed_tokens.weight.device != self.device:
-            model = cast_model(model, dtype, self.device, copy=given)  # a caller's model stays as it was
-        if dtype != self.weights_dtype:
-            log.info("%s weights compute in %s on %s", self.weights_dtype, dtype, self.device)
+        model, tokenizer_size = self._load_model(config, model, parallel)
         self.model = model.eval()
         mc = model.config
         self.vocab_size = min(mc.vocab_size, tokenizer_size or mc.vocab_size)  # the real vocab
@@ -117,6 +98,56 @@ class ModelRunner:
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
                              f"max_position_embeddings {mc.max_position_embeddings}")
+        graph_device, use_graphs = self._allocate_kv_cache(config, parallel)
+        self.slots = SlotTable(max_num_seqs=config.max_num_seqs, num_blocks=self.num_kv_blocks,
+                               block_size=config.block_size, max_model_len=self.max_model_len,
+                               vocab_size=mc.vocab_size)
+        self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)  # [slots]
+        self.outputs = ResidentOutputs(self.device)
+        self.sampler = Sampler(self.device, seed=config.seed, buffers=self.outputs)  # its scratch is resident too
+        # each slot's params (and penalty state), on the device
+        self.slot_sampling = SlotSampling(config.max_num_seqs, self.device, self.vocab_size)
+        self.staging = StepStaging(self.device)  # the host buffer of each step's one copy, reused
+        self.device_outputs = device_outputs_enabled(config.device_outputs)
+        checkpoint = None if is_random_spec(config.model) else (config.model or bundled_model_path())
+        self.grammars = GrammarMasks(max_num_seqs=config.max_num_seqs, vocab_size=mc.vocab_size,
+                                     device=self.device, checkpoint=checkpoint)  # rank 0 samples: only it masks
+        if config.prepare_structured_output and parallel.rank == 0:  # only rank 0 masks
+            self.grammars.prepare()
+        self.num_steps = 0
+        self.num_tokens = 0
+        self.graphs: DecodeGraphs | None = self._capture_graphs(config, graph_device) if use_graphs else None
+
+    def _load_model(self, config: RunnerConfig, model, parallel: TensorParallel):
+        """The model in its compute dtype on this device, and the tokenizer's vocab size (None when
+        unknown): a caller's model, random weights for a random spec, or the checkpoint's (this rank's
+        shard), cast while loading so no second copy is made."""
+        tokenizer_size = None
+        requested = resolve_dtype(config.dtype) if config.dtype else None
+        stored = None  # the weights' own dtype
+        given = model is not None
+        if model is None and is_random_spec(config.model):
+            model = random_model(config.model, dtype=requested, device=self.device,  # None: the shape's dtype
+                                 parallel=parallel)
+            self.weights_fingerprint = weights_fingerprint(model)
+        elif model is None:
+            path = config.model or bundled_model_path()
+            stored = resolve_dtype(load_config(path).torch_dtype)
+            model = load_model(path, dtype=compute_dtype(self.device, stored, requested), device=self.device,
+                               parallel=parallel)
+            tokenizer_size = _tokenizer_size(path)
+        self.weights_dtype = stored or model.dtype
+        dtype = compute_dtype(self.device, self.weights_dtype, requested)
+        if model.dtype != dtype or model.model.embed_tokens.weight.device != self.device:
+            model = cast_model(model, dtype, self.device, copy=given)  # a caller's model stays as it was
+        if dtype != self.weights_dtype:
+            log.info("%s weights compute in %s on %s", self.weights_dtype, dtype, self.device)
+        return model, tokenizer_size
+
+    def _allocate_kv_cache(self, config: RunnerConfig, parallel: TensorParallel):
+        """The paged KV pool, as many blocks as fit (the same on every rank); returns the graph
+        device and whether decode steps replay captured graphs."""
+        model, mc = self.model, self.model.config
         kv_heads = model.shape.num_kv_heads  # this rank's KV heads
         bytes_per_block = KVCache.bytes_per_block(
             num_layers=mc.num_hidden_layers, block_size=config.block_size,
@@ -137,32 +168,17 @@ class ModelRunner:
         self.kv_cache = KVCache(num_layers=mc.num_hidden_layers, num_blocks=self.num_kv_blocks + use_graphs,
                                 block_size=config.block_size, num_kv_heads=kv_heads,
                                 head_dim=mc.head_dim, dtype=model.dtype, device=self.device)
-        self.slots = SlotTable(max_num_seqs=config.max_num_seqs, num_blocks=self.num_kv_blocks,
-                               block_size=config.block_size, max_model_len=self.max_model_len,
-                               vocab_size=mc.vocab_size)
-        self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)  # [slots]
-        self.outputs = ResidentOutputs(self.device)
-        self.sampler = Sampler(self.device, seed=config.seed, buffers=self.outputs)  # its scratch is resident too
-        # each slot's params (and penalty state), on the device
-        self.slot_sampling = SlotSampling(config.max_num_seqs, self.device, self.vocab_size)
-        self.staging = StepStaging(self.device)  # the host buffer of each step's one copy, reused
-        self.device_outputs = device_outputs_enabled(config.device_outputs)
-        checkpoint = None if is_random_spec(config.model) else (config.model or bundled_model_path())
-        self.grammars = GrammarMasks(max_num_seqs=config.max_num_seqs, vocab_size=mc.vocab_size,
-                                     device=self.device, checkpoint=checkpoint)  # rank 0 samples: only it masks
-        if config.prepare_structured_output and parallel.rank == 0:  # only rank 0 masks
-            self.grammars.prepare()
-        self.num_steps = 0
-        self.num_tokens = 0
-        self.graphs: DecodeGraphs | None = None
-        if use_graphs:
-            sizes = (default_graph_sizes(config.max_num_seqs) if config.graph_sizes is None
-                     else check_graph_sizes(config.graph_sizes, config.max_num_seqs))
-            self.graphs = DecodeGraphs(
-                model=self.model, attention=self.ops.attention, kv_cache=self.kv_cache, outputs=self.outputs,
-                sizes=sizes, max_blocks=-(-self.max_model_len // config.block_size), pad_block=self.num_kv_blocks,
-                vocab_size=self.vocab_size, graph_device=graph_device)
-            self.graphs.capture()  # logs the capture time and memory
+        return graph_device, use_graphs
+
+    def _capture_graphs(self, config: RunnerConfig, graph_device) -> DecodeGraphs:
+        sizes = (default_graph_sizes(config.max_num_seqs) if config.graph_sizes is None
+                 else check_graph_sizes(config.graph_sizes, config.max_num_seqs))
+        graphs = DecodeGraphs(
+            model=self.model, attention=self.ops.attention, kv_cache=self.kv_cache, outputs=self.outputs,
+            sizes=sizes, max_blocks=-(-self.max_model_len // config.block_size), pad_block=self.num_kv_blocks,
+            vocab_size=self.vocab_size, graph_device=graph_device)
+        graphs.capture()  # logs the capture time and memory
+        return graphs
 
     # -- one step -----------------------------------------------------------------------
 

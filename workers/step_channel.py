@@ -1,11 +1,10 @@
 """The step channel: a replica's plans to its worker and the results back over one TCP
 connection, instead of one Ray actor call per step.
 
-A Ray call costs each step ~0.5 ms of the driver's CPU and ~0.5 ms of the worker
-process's (its gRPC and task-queue threads), and ~0.25 ms of wall time between one step
-and the next; on a 2-core host that is CPU the HTTP server and the load client need too.
-Over this channel a step is one frame each way: ~0.13 ms of the driver's CPU and
-~0.1 ms of the worker's (benchmarks/bench_step_channel.py). Ray still starts, places, watches and kills the
+A Ray call costs each step CPU at both ends (gRPC and task-queue threads) and wall time
+between one step and the next, CPU that the HTTP server and the workers need too on a small
+host. Over this channel a step is one frame each way, several times cheaper at both ends
+(benchmarks/bench_step_channel.py measures both). Ray still starts, places, watches and kills the
 worker; only the per-step traffic moves here. No ray import: the worker actor owns a
 `StepServer`, the replica one `StepClient` per rank.
 

@@ -1,11 +1,9 @@
 """The HTTP server inside the engine actor's process: `raylm serve`'s default frontend.
 
-With the HTTP server in a process of its own, every request and every delta crossed the
+With the HTTP server in a process of its own, every request and every delta crosses the
 frontend channel (cluster/remote/messages.py): msgpack both ways, a Ray call per batch on each
-side, a second event loop, Ray's threads in two processes. On a 2-core host the HTTP
-process and the engine actor took 2.2-2.4 s of CPU per 8,192 streamed tokens between
-them, the one process here 1.3 s, and that CPU came off the core the worker shares
-(docs/benchmarks.md, "Sixth pass"). Here uvicorn runs in the engine actor's process on a
+side, a second event loop, Ray's threads in two processes, all of it CPU taken from the cores
+the workers share (docs/benchmarks.md measures it). Here uvicorn runs in the engine actor's process on a
 thread and event loop of its own (uvloop where installed), and its routes hold a local
 LLMHandle over the actor's Engine: a request goes straight to the scheduler and its
 deltas come back through its RequestStream's loop handoff, as in `cluster.launch()`.

@@ -1,4 +1,4 @@
-"""EngineActor: an Engine inside a named, detached, async Ray actor (`raylm serve` starts one).
+"""EngineActor: a LocalEngine inside a named, detached, async Ray actor (`raylm serve` starts one).
 
 Its client is RemoteEngine (cluster/remote/remote_engine.py), which `connect()` and the HTTP
 server of `raylm serve` use. Requests and outputs cross over the frontend channel
@@ -13,10 +13,9 @@ Every thread of this process shares one GIL: the replica loops, the event loop s
 the channel and, with it, the HTTP server's. A replica loop leaves the GIL in each Ray
 call (submitting step N+2, waiting for step N) and takes it back when the call returns;
 Python makes a thread that wants the GIL wait up to the switch interval (5 ms by default)
-before it makes the holder let go, and a decode step of the tiny model takes 6-10 ms. So
-this process switches every `gil_switch_interval_ms` (0.5 ms by default): under `vllm bench
-serve`-like load the replica loop's step submissions took 3-4 ms each at 5 ms, 2 ms at 0.5 ms
-(docs/benchmarks.md, "Seventh pass").
+before it makes the holder let go, which is as long as a small model's decode step. So this
+process switches every `gil_switch_interval_ms` (0.5 ms by default), and a step's submission
+does not wait behind the HTTP thread (docs/benchmarks.md has the measurement).
 """
 
 from __future__ import annotations

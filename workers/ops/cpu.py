@@ -5,7 +5,7 @@ Linear, by the CPU's class (workers/ops/cpu_features.py) and the weights' dtype,
 with benchmarks/bench_gemm.py --packed (figures in docs/benchmarks.md):
 - fp32 on AVX-512 (Intel): `torch.ops.mkl._mkl_linear` over weights packed once by
   `_mkl_reorder_linear_weight` ("mkl-packed"), 1.3-1.9x F.linear at 64 rows;
-- fp32 on AVX2 (AMD EPYC here): "onednn-packed": `torch.ops.mkldnn._linear_pointwise` over weights
+- fp32 on AVX2 (AMD EPYC, where it was measured): "onednn-packed": `torch.ops.mkldnn._linear_pointwise` over weights
   reordered once by `_reorder_linear_weight` (MKL's packed path measured no faster than F.linear
   here; oneDNN's 1.2-2x at 64 rows, about even at 512+);
 - bf16/fp16 (AVX512-BF16 / AMX CPUs compute in bf16): "aten" (oneDNN under F.linear).

@@ -73,7 +73,7 @@ def load():
         if took > 2:
             log.info("built raylm's CPU kernels in %.0f s (%s)", took, build_dir)
         return module
-    except Exception as e:  # noqa: BLE001 - any build failure leaves the torch paths in place
+    except Exception as e:  # any build failure leaves the torch paths in place
         _failure = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
         log.warning("raylm's CPU kernels could not be built (%s); attention gathers, elementwise ops run eager, "
                     "sampling draws with torch ops",

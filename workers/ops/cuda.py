@@ -33,7 +33,7 @@ FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 def flashinfer():
     """The flashinfer module, or None when it is not installed."""
     try:
-        import flashinfer as module  # noqa: PLC0415  (lazy by design: an optional extra)
+        import flashinfer as module  # lazy by design: an optional extra
     except ImportError:
         return None
     return module

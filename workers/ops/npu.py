@@ -32,7 +32,7 @@ NPU_DTYPES = (torch.float16, torch.bfloat16)
 
 def torch_npu():
     """The torch_npu module, imported on first use (registers torch.npu)."""
-    import torch_npu as module  # noqa: PLC0415  (lazy by design)
+    import torch_npu as module  # lazy by design
 
     return module
 
