@@ -33,6 +33,11 @@ def check_gil_switch_interval_ms(value) -> None:
 class EngineConfig:
     """How to run one engine: which model, on what, and how to batch.
 
+    The fields come in groups: the model and where it runs; batching and the KV pool;
+    parallelism; reliability (timeouts, healing, hostile input); and an advanced group of
+    performance knobs and placement overrides whose defaults are chosen for the device, which a
+    user touches only to measure (each says when). The notes below go field by field.
+
     model None serves the bundled tiny Qwen3. `dtype` None computes in the checkpoint's
     dtype, except bf16/fp16 weights on a CPU without half-precision matmul instructions
     (no AVX512-BF16 or AMX), which are upcast to float32 once at load: batched steps run
@@ -95,25 +100,25 @@ class EngineConfig:
     template is the client's code: it renders in a bounded sandbox (cluster/core/template_sandbox.py).
     """
 
+    # ---- the model and where it runs ----
     model: str | None = None
     device: str = "cpu"
-    num_replicas: int = 1
-    tensor_parallel_size: int = 1
     dtype: str | None = None
-    block_size: int | None = None
-    num_kv_blocks: int | None = None
-    memory_fraction: float = 0.9
+    max_model_len: int | None = None
+    generation_config: str = "auto"
+    seed: int = 0
+    # ---- batching and the KV pool ----
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
+    num_kv_blocks: int | None = None
+    memory_fraction: float = 0.9
+    block_size: int | None = None
     enable_prefix_caching: bool = True
-    pipeline_depth: int = 2
-    device_outputs: bool | None = None
-    threads_per_worker: int | None = None
-    reserved_cpus: int = 0
-    prefill_threads_per_worker: int | None = None
-    seed: int = 0
-    accelerator_resource: str | None = None
+    max_waiting_requests: int = 4096
+    # ---- parallelism ----
+    num_replicas: int = 1
+    tensor_parallel_size: int = 1
+    # ---- reliability: timeouts, healing, hostile input ----
     step_timeout_s: float = 120.0
     max_worker_restarts: int = 3
     restart_window_s: float = 600.0
@@ -123,15 +128,20 @@ class EngineConfig:
     max_request_failures: int = 2
     grammar_compile_timeout_s: float = 10.0
     max_grammar_bytes: int = 64 * 1024
-    max_waiting_requests: int = 4096
+    trust_request_chat_template: bool = False
     start_timeout_s: float = 600.0
     placement_timeout_s: float = 60.0
-    enforce_eager: bool = False
-    graph_sizes: list[int] | None = None
-    generation_config: str = "auto"
-    prepare_structured_output: bool = False
-    step_channel: str = "auto"
-    trust_request_chat_template: bool = False
+    # ---- advanced: performance tuning and placement overrides, chosen well by default ----
+    threads_per_worker: int | None = None  # a CPU worker's torch threads; default: the cores split over workers
+    reserved_cpus: int = 0  # cores left out of that split for the HTTP server (raylm serve leaves 1)
+    prefill_threads_per_worker: int | None = None  # threads of steps of 256+ tokens; default: lend reserved back
+    pipeline_depth: int = 2  # steps in flight per replica; 1 only to measure what pipelining buys
+    device_outputs: bool | None = None  # False: return logits and sample on the driver (the A/B baseline)
+    step_channel: str = "auto"  # "socket" / "ray"; auto picks socket on the CPU (a Ray call costs more CPU)
+    enforce_eager: bool = False  # no captured decode graphs on accelerators (debugging)
+    graph_sizes: list[int] | None = None  # decode graph buckets; default: powers of two up to max_num_seqs
+    prepare_structured_output: bool = False  # load xgrammar at worker start (raylm serve does)
+    accelerator_resource: str | None = None  # place CPU workers as if on this Ray resource (e.g. faked NPUs)
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
