@@ -177,6 +177,14 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     async def _api_error(_req, exc: ApiError):
         return exc.response()
 
+    _add_probe_routes(app, state)
+    _add_generation_routes(app, state)
+    return BodyLimit(ApiKeyAuth(app, state), max_body_bytes, body_timeout)
+
+
+def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
+    """/health, /metrics and /v1/models."""
+
     @app.get("/health")
     async def health():
         if state.handle is None:
@@ -203,6 +211,10 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     async def models():
         return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "raylm"}
                                            for n in state.model_names]}
+
+
+def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    """/v1/completions, /v1/chat/completions, /tokenize and /detokenize."""
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -253,8 +265,6 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     async def detokenize(request: Request):
         body = await _parse(request, tk.DetokenizeRequest, state)
         return await _run_checked(tk.detokenize, _ready(state), body)
-
-    return BodyLimit(ApiKeyAuth(app, state), max_body_bytes, body_timeout)
 
 
 def _describe_bodies(app: FastAPI, bodies: dict, model_names: list[str]) -> None:
