@@ -51,10 +51,10 @@ def random_prompts(tokenizer, n: int, input_len: int, seed: int = 0) -> list[str
 class _Completion(asyncio.Protocol):
     """One streaming completion on a connection of its own, read straight from the event loop's
     callbacks: HTTP/1.1 status and headers, chunked transfer framing, SSE events. The clients
-    share the host's cores with the server they measure; aiohttp's (a response object, a stream
-    reader and a task woken per arrival) took 0.58-0.71 s of CPU per 8,192 streamed tokens
-    where these take 0.42-0.44 (a 2-core EPYC, docs/benchmarks.md "Tenth pass"). The timing is
-    the same: `now` is when the bytes arrived."""
+    share the host's cores with the server they measure, so they must cost as little CPU as they
+    can: aiohttp's (a response object, a stream reader and a task woken per arrival) cost about a
+    third more per streamed token (docs/bench/log/serving-passes.md). The timing is the same:
+    `now` is when the bytes arrived."""
 
     def __init__(self, request: bytes, rec: RequestRecord, t0: float, done: asyncio.Future):
         self.request, self.rec, self.t0, self.done = request, rec, t0, done

@@ -17,8 +17,8 @@ import math
 import pytest
 from fastapi.testclient import TestClient
 
+from cluster.openai.app import ServerState, build_app
 from cluster.outputs import RequestOutput, StreamDelta, TokenLogprob
-from cluster.server import ServerState, build_app
 
 MODEL = "m"
 RULED_OUT = -math.inf  # what the engine reports for a token its grammar masks out
