@@ -47,7 +47,9 @@ class EngineConfig:
     512 blocks; workers/device.py default_cpu_blocks); on accelerators it is
     `memory_fraction` of the device's free memory.
     On the CPU each worker computes with `threads_per_worker` torch threads (None: the
-    cluster's CPUs less `reserved_cpus`, split over every replica's ranks). `raylm serve`
+    cluster's CPUs less `reserved_cpus`, split over every replica's ranks, and for decode steps
+    one thread instead where the worker measures that clearly faster while it warms up: a small
+    model's decode can be, by CPU; stats() reports the choice and the timings). `raylm serve`
     reserves 1: its HTTP server and the engine actor then keep a core of their own (as vLLM's
     CPU build reserves one for its API server) instead of stalling the worker's threads.
     Steps of 256 tokens or more (prefill chunks) compute with `prefill_threads_per_worker`
@@ -132,7 +134,7 @@ class EngineConfig:
     start_timeout_s: float = 600.0
     placement_timeout_s: float = 60.0
     # ---- advanced: performance tuning and placement overrides, chosen well by default ----
-    threads_per_worker: int | None = None  # a CPU worker's torch threads; default: the cores split over workers
+    threads_per_worker: int | None = None  # a CPU worker's threads; default: the cores split, decode's measured
     reserved_cpus: int = 0  # cores left out of that split for the HTTP server (raylm serve leaves 1)
     prefill_threads_per_worker: int | None = None  # threads of steps of 256+ tokens; default: lend reserved back
     pipeline_depth: int = 2  # steps in flight per replica; 1 only to measure what pipelining buys
@@ -231,6 +233,8 @@ class EngineConfig:
             max_model_len=self.max_model_len, device_outputs=device_outputs_enabled(self.device_outputs),
             seed=self.seed + replica_index, num_threads=num_threads if self.device == "cpu" else None,
             prefill_threads=prefill_threads if self.device == "cpu" else None,
+            choose_decode_threads=self.device == "cpu" and self.threads_per_worker is None
+            and self.tensor_parallel_size == 1,
             enforce_eager=self.enforce_eager, graph_sizes=None if self.graph_sizes is None else tuple(self.graph_sizes),
             prepare_structured_output=self.prepare_structured_output, step_channel=self.resolved_step_channel,
         )

@@ -68,6 +68,7 @@ class WorkerActor:
             "tensor_parallel_rank": self.parallel.rank,
             "structured_output": xgrammar_installed(),
             "structured_output_ready": self.runner.grammars.cache is not None,  # prepared at start
+            "cpu_threads": self.runner.cpu_thread_report(),  # chosen by measurement unless the user set them
         }
         if cfg.step_channel == "socket":
             self.channel = StepServer(self.execute, ray.util.get_node_ip_address(),

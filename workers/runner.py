@@ -58,6 +58,9 @@ from workers.staging import StepStaging
 from workers.step_inputs import build_step_inputs
 
 log = logging.getLogger(__name__)
+# one thread must beat the configured count by this factor to be chosen for decode steps: a close
+# call keeps the cores (a batch that grows makes more threads pay)
+DECODE_THREADS_MARGIN = 0.9
 
 
 @functools.lru_cache(maxsize=8)
@@ -116,6 +119,7 @@ class ModelRunner:
             self.grammars.prepare()
         self.num_steps = 0
         self.num_tokens = 0
+        self.thread_probe: dict | None = None  # set when warmup chose the decode steps' thread count
         self.graphs: DecodeGraphs | None = self._capture_graphs(config, graph_device) if use_graphs else None
 
     def _load_model(self, config: RunnerConfig, model, parallel: TensorParallel):
@@ -301,6 +305,48 @@ class ModelRunner:
             self.last_tokens.zero_()
             self.num_steps, self.num_tokens = steps, tokens
             self.parallel.collective_s, self.parallel.num_collectives = collective
+        if (self.config.choose_decode_threads and self.cpu_threads is not None and self.cpu_threads[0] > 1
+                and not self.parallel.enabled):
+            self._choose_decode_threads()
+
+    def _choose_decode_threads(self, reps: int = 3, steps_per_rep: int = 2) -> None:
+        """Time decode steps of a batch of requests on one thread and on the configured count,
+        alternating, and keep the faster (by a clear margin) for steps below prefill_thread_tokens;
+        the choice and the timings go into stats()["cpu_threads"]. Leaves no request behind."""
+        threads, prefill = self.cpu_threads
+        bs = self.config.block_size
+        prompt = bs
+        per_request = -(-(prompt + reps * 2 * steps_per_rep + 1) // bs)
+        rows = max(1, min(self.config.max_num_seqs, 16, self.num_kv_blocks // per_request))
+        new = [NewRequest(i, [1 + i] * prompt, 0, list(range(i * per_request, (i + 1) * per_request)),
+                          WorkerSampling()) for i in range(rows)]
+        token = USE_RESIDENT if self.device_outputs else 0
+        decode = StepPlan(step_id=-1, rows=[ScheduledRow(i, 1, token=token) for i in range(rows)])
+        times: dict[int, list[float]] = {threads: [], 1: []}
+        steps, tokens = self.num_steps, self.num_tokens
+        self.cpu_threads = None  # the probe sets the thread count itself
+        try:
+            self.execute(StepPlan(step_id=-1, new_requests=new, rows=[ScheduledRow(i, prompt) for i in range(rows)]))
+            for _ in range(reps):
+                for t in times:
+                    torch.set_num_threads(t)
+                    t0 = time.perf_counter()
+                    for _ in range(steps_per_rep):
+                        self.execute(decode)
+                    synchronize(self.device)
+                    times[t].append((time.perf_counter() - t0) / steps_per_rep)
+        finally:
+            self.slots.clear()
+            self.slot_sampling.clear()
+            self.last_tokens.zero_()
+            self.num_steps, self.num_tokens = steps, tokens
+        median = {t: sorted(v)[len(v) // 2] for t, v in times.items()}
+        chosen = 1 if median[1] < DECODE_THREADS_MARGIN * median[threads] else threads
+        self.cpu_threads = (chosen, prefill)
+        self.thread_probe = {"rows": rows, "step_ms": {str(t): round(1000 * v, 3) for t, v in median.items()}}
+        set_cpu_threads(chosen)
+        log.info("decode steps of %d rows: %s ms by thread count; computing them on %d thread(s)", rows,
+                 self.thread_probe["step_ms"], chosen)
 
     def stats(self) -> dict:
         return {
@@ -326,13 +372,18 @@ class ModelRunner:
             "ops": self.ops.describe(),
             "grammars": self.grammars.stats(),
             "sampler": "fused-cpp" if self.sampler.kernels is not None else "torch",
-            "cpu_threads": None if self.cpu_threads is None else {
-                "step": self.cpu_threads[0], "prefill": self.cpu_threads[1],
-                "prefill_min_tokens": self.config.prefill_thread_tokens},
+            "cpu_threads": self.cpu_thread_report(),
             "decode_graphs": None if self.graphs is None else {
                 "sizes": list(self.graphs.sizes), "capture_s": self.graphs.report.seconds,
                 "capture_bytes": self.graphs.report.memory_bytes, "replays": self.graphs.num_replays},
         }
+
+    def cpu_thread_report(self) -> dict | None:
+        """The CPU threads steps compute with, and the timings they were chosen by (if measured)."""
+        if self.cpu_threads is None:
+            return None
+        return {"step": self.cpu_threads[0], "prefill": self.cpu_threads[1],
+                "prefill_min_tokens": self.config.prefill_thread_tokens, "probe": self.thread_probe}
 
     def close(self) -> None:
         self.graphs = None  # the graphs' memory pool goes with them

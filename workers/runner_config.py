@@ -70,6 +70,10 @@ class RunnerConfig:
     # None -> num_threads. More than num_threads borrows cores a frontend keeps during decode.
     prefill_threads: int | None = None
     prefill_thread_tokens: int = 256
+    # CPU: while warming up, time decode-sized steps on one thread and on num_threads, and keep the
+    # faster for steps below prefill_thread_tokens (a small model's decode can be faster on one core
+    # than split over two, by CPU); the engine asks for it when the user left the thread count to it
+    choose_decode_threads: bool = False
     ops: str | None = None  # op table: "reference" | "cpu" | "cuda" | "npu"; None -> RAYLM_OPS or the device's own
     enforce_eager: bool = False  # True: no decode graphs on accelerators (workers/graphs.py)
     # load the tokenizer and xgrammar at start (where installed), not in the first grammar's step

@@ -56,7 +56,10 @@ def test_every_runner_and_scheduler_setting_comes_from_the_engine_config(monkeyp
     assert rc == RunnerConfig(model="/m", device="cpu", dtype="bfloat16", block_size=8, num_kv_blocks=40,
                               memory_fraction=0.5, max_num_seqs=7, max_num_batched_tokens=99, max_model_len=300,
                               device_outputs=False, seed=7, num_threads=3, enforce_eager=True, graph_sizes=(1, 4),
-                              prepare_structured_output=True, step_channel="socket")
+                              prepare_structured_output=True, step_channel="socket", choose_decode_threads=True)
+    # the worker measures its decode thread count only when the user left it to the engine
+    assert not dataclasses.replace(cfg, threads_per_worker=3).runner_config(0, model_path="/m",
+                                                                             num_threads=3).choose_decode_threads
     sc = cfg.scheduler_config(num_blocks=40, max_model_len=300)
     assert sc == SchedulerConfig(num_blocks=40, block_size=8, max_num_seqs=7, max_num_batched_tokens=99,
                                  max_model_len=300, enable_prefix_caching=False)

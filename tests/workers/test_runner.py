@@ -242,7 +242,7 @@ def test_big_steps_compute_with_the_prefill_threads_and_small_ones_with_the_step
     before = torch.get_num_threads()
     try:
         runner = make_runner(num_threads=1, prefill_threads=2, prefill_thread_tokens=20)
-        assert runner.stats()["cpu_threads"] == {"step": 1, "prefill": 2, "prefill_min_tokens": 20}
+        assert runner.stats()["cpu_threads"] == {"step": 1, "prefill": 2, "prefill_min_tokens": 20, "probe": None}
         seen = []
         forward = runner.model.forward
 
@@ -309,3 +309,18 @@ def test_half_weights_compute_in_fp32_on_a_cpu_without_half_matmuls(tmp_path, mo
     assert make_runner(model=str(ckpt), dtype="bfloat16").model.dtype == torch.bfloat16
     given = ModelRunner(RunnerConfig(block_size=BS, num_kv_blocks=64), model=load_model(ckpt))
     assert given.model.dtype == want and given.stats()["weights_dtype"] == "bfloat16"
+
+
+def test_warmup_chooses_the_decode_thread_count_by_measurement_and_reports_it(hf):
+    runner = make_runner(num_threads=2, choose_decode_threads=True)
+    runner.warmup()
+    report = runner.stats()["cpu_threads"]
+    assert set(report["probe"]["step_ms"]) == {"1", "2"} and report["probe"]["rows"] > 1
+    times = {int(t): ms for t, ms in report["probe"]["step_ms"].items()}
+    assert report["step"] == (1 if times[1] < 0.9 * times[2] else 2) and report["prefill"] == 2
+    driver = PlanDriver(runner)  # the probe left no request behind: a fresh batch decodes as HF does
+    driver.add(PROMPTS[0])
+    assert driver.generate(8) == [hf_greedy(hf, PROMPTS[0], 8)]
+    fixed = make_runner(num_threads=2)  # a thread count the user chose is kept
+    fixed.warmup()
+    assert fixed.stats()["cpu_threads"]["step"] == 2 and fixed.stats()["cpu_threads"]["probe"] is None
