@@ -23,41 +23,49 @@ from cluster.openai.http_limits import (
 log = logging.getLogger("raylm")
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled tiny Qwen3)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"])
-    p.add_argument("--replicas", type=int, default=1, help="data-parallel replicas")
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="devices (worker actors) per replica, the model split across them")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+def _engine_args(p: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:
+    """The engine's flags, in groups (EngineConfig's own); returns the groups, for a command to add to."""
+    m = p.add_argument_group("model and device")
+    k = p.add_argument_group("batching and the KV pool")
+    t = p.add_argument_group("parallelism")
+    r = p.add_argument_group("reliability (docs/reliability.md)")
+    a = p.add_argument_group("advanced (performance tuning and placement overrides; the defaults are chosen "
+                             "for the device)")
+    m.add_argument("--model", default=None, help="checkpoint directory (default: the bundled tiny Qwen3)")
+    m.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"])
+    m.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default: the checkpoint's; bf16/fp16 weights compute in float32 on a CPU "
                         "without half-precision matmul instructions)")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (CPU)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--threads-per-worker", type=int, default=None)
-    p.add_argument("--prefill-threads-per-worker", type=int, default=None,
-                   help="torch threads of steps of >= 256 tokens (default: with the reserved cores lent back)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one batch")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
-    p.add_argument("--max-waiting-requests", type=int, default=None,
+    m.add_argument("--max-model-len", type=int, default=None)
+    k.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (CPU)")
+    k.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one batch")
+    k.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    k.add_argument("--max-waiting-requests", type=int, default=None,
                    help="queue bound per replica; beyond it requests are refused (HTTP 429)")
-    p.add_argument("--accelerator-resource", default=None,
-                   help="Ray resource each worker takes one of (default: NPU for npu, GPU for cuda, none for cpu); "
-                        "e.g. NPU with --device cpu places CPU workers as they would be placed on NPUs")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="no captured decode graphs on cuda/npu (every step eager)")
-    p.add_argument("--graph-sizes", default=None, type=lambda s: [int(x) for x in s.split(",")],
-                   help="decode graph batch buckets, e.g. 1,2,4,8 (default: powers of two up to max_num_seqs)")
-    p.add_argument("--step-channel", default=None, choices=["auto", "socket", "ray"],
-                   help="how steps reach a worker: 'socket', a TCP connection to it (~7x less CPU per step); "
-                        "'ray', an actor call per step; 'auto' (the default): socket on cpu, ray on cuda/npu")
-    p.add_argument("--max-request-failures", type=int, default=None,
+    t.add_argument("--replicas", type=int, default=1, help="data-parallel replicas")
+    t.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices (worker actors) per replica, the model split across them")
+    r.add_argument("--max-request-failures", type=int, default=None,
                    help="fail a request that was on the worker at this many worker failures in a row (default 2)")
-    p.add_argument("--grammar-compile-timeout-s", type=float, default=None,
+    r.add_argument("--grammar-compile-timeout-s", type=float, default=None,
                    help="refuse a request whose grammar (response_format, forced tool call) does not compile within "
                         "this many seconds (default 10)")
-    p.add_argument("--max-grammar-bytes", type=int, default=None,
+    r.add_argument("--max-grammar-bytes", type=int, default=None,
                    help="refuse a schema or grammar longer than this (default 65536)")
+    a.add_argument("--threads-per-worker", type=int, default=None)
+    a.add_argument("--prefill-threads-per-worker", type=int, default=None,
+                   help="torch threads of steps of >= 256 tokens (default: with the reserved cores lent back)")
+    a.add_argument("--accelerator-resource", default=None,
+                   help="Ray resource each worker takes one of (default: NPU for npu, GPU for cuda, none for cpu); "
+                        "e.g. NPU with --device cpu places CPU workers as they would be placed on NPUs")
+    a.add_argument("--enforce-eager", action="store_true",
+                   help="no captured decode graphs on cuda/npu (every step eager)")
+    a.add_argument("--graph-sizes", default=None, type=lambda s: [int(x) for x in s.split(",")],
+                   help="decode graph batch buckets, e.g. 1,2,4,8 (default: powers of two up to max_num_seqs)")
+    a.add_argument("--step-channel", default=None, choices=["auto", "socket", "ray"],
+                   help="how steps reach a worker: 'socket', a TCP connection to it (~7x less CPU per step); "
+                        "'ray', an actor call per step; 'auto' (the default): socket on cpu, ray on cuda/npu")
+    return {"model": m, "batching": k, "parallel": t, "reliability": r, "advanced": a}
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
@@ -247,7 +255,7 @@ def cmd_up(a: argparse.Namespace) -> int:
     return up(a.config, a.ray_up_args)
 
 
-def _http_limit_args(s: argparse.ArgumentParser) -> None:
+def _http_limit_args(s) -> None:
     s.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_TIMEOUT_KEEP_ALIVE_S, metavar="S",
                    help="close a keep-alive connection idle for S seconds "
                         f"(default {DEFAULT_TIMEOUT_KEEP_ALIVE_S:g})")
@@ -284,45 +292,47 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server over a named engine actor")
-    _engine_args(s)
-    s.add_argument("--address", default=None,
+    groups = _engine_args(s)
+    h = s.add_argument_group("serving")
+    m, r, a = groups["model"], groups["reliability"], groups["advanced"]
+    h.add_argument("--address", default=None,
                    help="Ray address to join ('auto': the local node's cluster; 'local': start a new single-node Ray)")
-    s.add_argument("--name", default="raylm", help="engine actor name, for cluster.connect(name)")
-    s.add_argument("--served-model-name", default=None, help="model id in the API (default: model dir name)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None,
+    h.add_argument("--name", default="raylm", help="engine actor name, for cluster.connect(name)")
+    h.add_argument("--served-model-name", default=None, help="model id in the API (default: model dir name)")
+    h.add_argument("--host", default="127.0.0.1")
+    h.add_argument("--port", type=int, default=8000)
+    h.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (and /metrics with "
                         "--metrics-without-auth); the process list shows it: prefer --api-key-file or the "
                         "RAYLM_API_KEY environment variable")
-    s.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from PATH's first line")
-    s.add_argument("--metrics-without-auth", action="store_true",
+    h.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from PATH's first line")
+    h.add_argument("--metrics-without-auth", action="store_true",
                    help="serve /metrics without the API key (for a Prometheus scraper that has none)")
-    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default: 1 MiB; 413)")
-    _http_limit_args(s)
-    s.add_argument("--reserved-cpus", type=int, default=1,
+    h.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default: 1 MiB; 413)")
+    _http_limit_args(h)
+    a.add_argument("--reserved-cpus", type=int, default=1,
                    help="CPU cores left to the HTTP server and engine actor when --threads-per-worker is not given "
                         "(device cpu; default 1: a worker's torch threads stall whenever another process takes "
                         "one of their cores)")
-    s.add_argument("--frontend", choices=("engine", "process"), default="engine",
+    a.add_argument("--frontend", choices=("engine", "process"), default="engine",
                    help="where the HTTP server runs: 'engine' (the default), inside the engine actor's process, "
                         "no channel between them; 'process', in this process, a frontend of the engine over "
                         "the channel (for hosts with cores to spare, where one GIL for both would limit)")
-    s.add_argument("--gil-switch-interval-ms", type=float, default=DEFAULT_GIL_SWITCH_INTERVAL_MS,
+    a.add_argument("--gil-switch-interval-ms", type=float, default=DEFAULT_GIL_SWITCH_INTERVAL_MS,
                    help="how long a thread of the engine actor's process may hold the GIL while another waits "
                         "(sys.setswitchinterval; Python's default is 5 ms, a whole decode step: the step loop "
                         "then waits behind the HTTP server)")
-    s.add_argument("--disable-access-log", action="store_true",
+    h.add_argument("--disable-access-log", action="store_true",
                    help="no log line per HTTP request (as vLLM's --disable-uvicorn-access-log; ~5%% of the "
                         "server's CPU under a burst of short requests)")
-    s.add_argument("--lazy-structured-output", action="store_true",
+    a.add_argument("--lazy-structured-output", action="store_true",
                    help="load the tokenizer and xgrammar into a worker with its first grammar request, not "
                         "while it starts (that request then waits a second or two longer; the others do not)")
-    s.add_argument("--generation-config", choices=GENERATION_CONFIG_MODES, default=None,
+    m.add_argument("--generation-config", choices=GENERATION_CONFIG_MODES, default=None,
                    help="'auto' (the default): requests that leave temperature, top_p, top_k, min_p, "
                         "the penalties or max_tokens out get the model's generation_config.json values, "
                         "as vLLM does; 'none': raylm's own defaults (vLLM's --generation-config vllm)")
-    s.add_argument("--trust-request-chat-template", action="store_true", default=None,
+    r.add_argument("--trust-request-chat-template", action="store_true", default=None,
                    help="let requests bring their own chat template (chat_template, or "
                         "chat_template_kwargs.chat_template), as vLLM's flag of this name; it renders in a bounded "
                         "sandbox. Without it such requests are refused (400)")
