@@ -19,6 +19,7 @@ from cluster.openai.http_limits import (
     DEFAULT_TIMEOUT_KEEP_ALIVE_S,
     HttpLimits,
 )
+from cluster.openai.serving_config import DEFAULT_MAX_BODY_BYTES, ServingConfig
 
 log = logging.getLogger("raylm")
 
@@ -155,30 +156,29 @@ def cmd_serve(a: argparse.Namespace) -> int:
     cfg = cluster.EngineConfig.from_kwargs(**_engine_kwargs(a), reserved_cpus=a.reserved_cpus,
                                            prepare_structured_output=not a.lazy_structured_output)
     check_gil_switch_interval_ms(a.gil_switch_interval_ms)
-    api_key = resolve_api_key(a.api_key, a.api_key_file)
-    limits = http_limits(a)  # bad limits are an error before anything starts
-    model_names = [a.served_model_name or served_model_name(a.model)]
-    if a.frontend == "engine" and (a.address or "").startswith("ray://"):
+    serving = ServingConfig(  # bad serving options are an error before anything starts
+        model_names=(a.served_model_name or served_model_name(a.model),), host=a.host, port=a.port,
+        api_key=resolve_api_key(a.api_key, a.api_key_file), metrics_without_auth=a.metrics_without_auth,
+        max_body_bytes=a.max_body_bytes, access_log=not a.disable_access_log, limits=http_limits(a),
+        http_process=a.frontend)
+    if serving.http_process == "engine" and (a.address or "").startswith("ray://"):
         raise ValueError(f"--frontend engine serves HTTP from the engine actor on this node, which a Ray Client "
                          f"address ({a.address}) does not make part of the cluster; use --frontend process")
     cluster.ensure_ray(a.address)
-    if a.frontend == "process":
-        return _serve_from_this_process(a, cfg, model_names, api_key, limits)
-    return _serve_in_engine(a, cfg, model_names, api_key, limits)
+    if serving.http_process == "process":
+        return _serve_from_this_process(a, cfg, serving)
+    return _serve_in_engine(a, cfg, serving)
 
 
-def _serve_in_engine(a, cfg, model_names: list[str], api_key: str | None, limits: HttpLimits) -> int:
+def _serve_in_engine(a, cfg, serving: ServingConfig) -> int:
     """The HTTP server runs in the engine actor's process (cluster/openai/http_server.py); this
     process waits, and stops the engine when interrupted or when the engine dies."""
     import ray
 
     from cluster.remote.engine_actor import launch_detached
 
-    spec = {"host": a.host, "port": a.port, "model_names": model_names, "api_key": api_key,
-            "metrics_without_auth": a.metrics_without_auth, "max_body_bytes": a.max_body_bytes,
-            "access_log": not a.disable_access_log, "limits": limits}
     try:
-        actor, started = launch_detached(cfg, a.name, http=spec, gil_switch_interval_ms=a.gil_switch_interval_ms)
+        actor, started = launch_detached(cfg, a.name, http=serving, gil_switch_interval_ms=a.gil_switch_interval_ms)
     except OSError as e:
         print(f"raylm: error: {e}", file=sys.stderr)
         return 1
@@ -186,7 +186,7 @@ def _serve_in_engine(a, cfg, model_names: list[str], api_key: str | None, limits
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     log.info("engine %r loading; HTTP on http://%s:%d (in the engine's process; /health is 503 until loaded)",
-             a.name, a.host, a.port)
+             a.name, serving.host, serving.port)
     try:
         pending = [started]
         while not stop.is_set():
@@ -195,7 +195,7 @@ def _serve_in_engine(a, cfg, model_names: list[str], api_key: str | None, limits
                 if done:
                     try:
                         ray.get(done[0])
-                        log.info("engine %r loaded; serving on http://%s:%d", a.name, a.host, a.port)
+                        log.info("engine %r loaded; serving on %s", a.name, serving.url)
                     except ray.exceptions.RayActorError as e:
                         log.error("the engine actor died while loading: %s", e)
                         return 1
@@ -217,7 +217,7 @@ def _serve_in_engine(a, cfg, model_names: list[str], api_key: str | None, limits
     return 0
 
 
-def _serve_from_this_process(a, cfg, model_names: list[str], api_key: str | None, limits: HttpLimits) -> int:
+def _serve_from_this_process(a, cfg, serving: ServingConfig) -> int:
     """The HTTP server in this process, a frontend of the engine actor over the channel."""
     import ray
     import uvicorn
@@ -229,21 +229,21 @@ def _serve_from_this_process(a, cfg, model_names: list[str], api_key: str | None
     from cluster.remote.remote_engine import RemoteEngine
 
     actor, started = launch_detached(cfg, a.name, gil_switch_interval_ms=a.gil_switch_interval_ms)
-    state = ServerState(model_names, api_key, a.metrics_without_auth)
+    state = ServerState(list(serving.model_names), serving.api_key, serving.metrics_without_auth)
 
     def wait_until_loaded() -> None:
         try:
             ray.get(started)
             state.handle = cluster.LLMHandle(RemoteEngine.attach(a.name))
-            log.info("engine %r loaded; serving on http://%s:%d", a.name, a.host, a.port)
+            log.info("engine %r loaded; serving on %s", a.name, serving.url)
         except Exception as e:  # /health says why
             state.startup_error = f"engine failed to start: {e}"
             log.error(state.startup_error)
 
     threading.Thread(target=wait_until_loaded, daemon=True).start()
     try:
-        uvicorn.run(build_app(state, a.max_body_bytes, limits.request_body_timeout), host=a.host, port=a.port,
-                    **uvicorn_options(limits, access_log=not a.disable_access_log))
+        uvicorn.run(build_app(state, serving.max_body_bytes, serving.limits.request_body_timeout), host=serving.host,
+                    port=serving.port, **uvicorn_options(serving.limits, access_log=serving.access_log))
     finally:
         ray.kill(actor, no_restart=True)  # the engine lives as long as this server
     return 0
@@ -308,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from PATH's first line")
     h.add_argument("--metrics-without-auth", action="store_true",
                    help="serve /metrics without the API key (for a Prometheus scraper that has none)")
-    h.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default: 1 MiB; 413)")
+    h.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body (default: 1 MiB; 413)")
     _http_limit_args(h)
     a.add_argument("--reserved-cpus", type=int, default=1,
                    help="CPU cores left to the HTTP server and engine actor when --threads-per-worker is not given "

@@ -39,8 +39,8 @@ import cluster.openai.tokenize_api as tk
 from cluster.errors import EngineDeadError, EngineOverloadedError
 from cluster.openai.chat_output import ChatOutput
 from cluster.openai.http_limits import DEFAULT_REQUEST_BODY_TIMEOUT_S
+from cluster.openai.serving_config import DEFAULT_MAX_BODY_BYTES
 
-DEFAULT_MAX_BODY_BYTES = 1 << 20
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs until the context is full
 RETRY_AFTER_S = 5  # what a 503 tells clients when the engine gives no better estimate
 

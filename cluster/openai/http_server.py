@@ -21,7 +21,8 @@ import asyncio
 import socket
 import threading
 
-from cluster.openai.http_limits import DEFAULT_BACKLOG, HttpLimits
+from cluster.openai.http_limits import DEFAULT_BACKLOG
+from cluster.openai.serving_config import ServingConfig
 
 
 def bind(host: str, port: int, backlog: int = DEFAULT_BACKLOG) -> socket.socket:
@@ -43,30 +44,29 @@ def bind(host: str, port: int, backlog: int = DEFAULT_BACKLOG) -> socket.socket:
 
 
 class HttpServer:
-    """uvicorn serving build_app() from a thread of this process; `spec` is the CLI's HTTP
-    options: host, port, model_names, api_key, metrics_without_auth, max_body_bytes,
-    access_log, limits (an HttpLimits; its defaults when absent)."""
+    """uvicorn serving build_app() from a thread of this process, as `serving` says."""
 
-    def __init__(self, spec: dict):
+    def __init__(self, serving: ServingConfig):
         from cluster.openai.app import ServerState
 
-        self.spec = dict(spec)
-        self.limits = self.spec.get("limits") or HttpLimits()
-        self.state = ServerState(list(self.spec["model_names"]), self.spec.get("api_key"),
-                                 bool(self.spec.get("metrics_without_auth")))
+        if not isinstance(serving, ServingConfig):
+            raise ValueError(f"serving must be a ServingConfig, got {type(serving).__name__}")
+        self.serving = serving
+        self.limits = serving.limits
+        self.state = ServerState(list(serving.model_names), serving.api_key, serving.metrics_without_auth)
         self._server = None
         self._thread: threading.Thread | None = None
 
     async def start(self) -> None:
         import uvicorn
 
-        from cluster.openai.app import DEFAULT_MAX_BODY_BYTES, build_app
+        from cluster.openai.app import build_app
         from cluster.openai.http_limits import uvicorn_options
 
-        sock = bind(self.spec["host"], int(self.spec["port"]), self.limits.backlog)
-        app = build_app(self.state, int(self.spec.get("max_body_bytes") or DEFAULT_MAX_BODY_BYTES),
+        sock = bind(self.serving.host, self.serving.port, self.limits.backlog)
+        app = build_app(self.state, self.serving.max_body_bytes,
                         self.limits.request_body_timeout)
-        config = uvicorn.Config(app, **uvicorn_options(self.limits, bool(self.spec.get("access_log", True))))
+        config = uvicorn.Config(app, **uvicorn_options(self.limits, self.serving.access_log))
         self._server = uvicorn.Server(config)
         # its own thread and loop (uvloop where installed, as `uvicorn.run` picks), not the actor's:
         # no signal handlers there, and a failure ends that thread, not the actor
@@ -76,7 +76,7 @@ class HttpServer:
         while not self._server.started:
             if not self._thread.is_alive():
                 sock.close()
-                raise RuntimeError(f"the HTTP server on {self.spec['host']}:{self.spec['port']} did not start "
+                raise RuntimeError(f"the HTTP server on {self.serving.host}:{self.serving.port} did not start "
                                    "(its log says why)")
             await asyncio.sleep(0.01)
 

@@ -42,14 +42,14 @@ class EngineActor:
         self._ready = False
         self._http = None  # HttpServer, when `raylm serve` runs its HTTP server here
 
-    async def start_http(self, spec: dict) -> None:
-        """Listen for HTTP on this process (spec: HttpServer's); before start(), so the
-        port is taken at once and /health says "loading" while the model loads."""
+    async def start_http(self, serving) -> None:
+        """Listen for HTTP on this process, as `serving` (a ServingConfig) says; before start(), so
+        the port is taken at once and /health says "loading" while the model loads."""
         from cluster.openai.http_server import HttpServer
 
         if self._http is not None:
             raise RuntimeError("this engine already serves HTTP")
-        http = HttpServer(spec)
+        http = HttpServer(serving)
         await http.start()
         self._http = http
 
@@ -132,10 +132,10 @@ class EngineActor:
 RemoteEngineActor = ray.remote(num_cpus=0, max_concurrency=1000, max_restarts=0)(EngineActor)
 
 
-def launch_detached(config: EngineConfig, name: str, namespace: str = NAMESPACE, http: dict | None = None,
+def launch_detached(config: EngineConfig, name: str, namespace: str = NAMESPACE, http=None,
                     gil_switch_interval_ms: float | None = DEFAULT_GIL_SWITCH_INTERVAL_MS):
     """Start a named, detached EngineActor; returns it and the ref of its start() (the
-    model loaded). With `http` (HttpServer's spec) the actor runs on this node and
+    model loaded). With `http` (a ServingConfig) the actor runs on this node and
     listens there before loading: an error taking the port is raised here."""
     check_gil_switch_interval_ms(gil_switch_interval_ms)
     try:

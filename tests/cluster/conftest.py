@@ -83,8 +83,9 @@ def served_engine(ray_session, request):
     import uvicorn
 
     import cluster
-    from cluster.openai.app import DEFAULT_MAX_BODY_BYTES, ServerState, build_app
+    from cluster.openai.app import ServerState, build_app
     from cluster.openai.http_limits import HttpLimits, uvicorn_options
+    from cluster.openai.serving_config import DEFAULT_MAX_BODY_BYTES
     from cluster.remote.engine_actor import launch_detached
 
     opts = {"api_key": None, "max_body_bytes": DEFAULT_MAX_BODY_BYTES, "num_kv_blocks": 64,

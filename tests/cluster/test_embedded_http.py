@@ -18,6 +18,7 @@ import ray
 import cluster
 from cluster import SamplingParams
 from cluster.config import DEFAULT_GIL_SWITCH_INTERVAL_MS
+from cluster.openai.serving_config import ServingConfig
 from cluster.remote.engine_actor import NAMESPACE, launch_detached
 from tests.cluster.conftest import (
     SERVED_MODEL,
@@ -32,9 +33,8 @@ from tests.cluster.conftest import (
 pytestmark = pytest.mark.ray
 
 
-def _spec(port: int) -> dict:
-    return {"host": "127.0.0.1", "port": port, "model_names": [SERVED_MODEL], "api_key": None,
-            "max_body_bytes": 1 << 20, "access_log": False}
+def _spec(port: int) -> ServingConfig:
+    return ServingConfig(model_names=(SERVED_MODEL,), port=port, access_log=False)
 
 
 def _gone(ray_session, name: str, timeout: float = 30) -> bool:

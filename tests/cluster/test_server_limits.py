@@ -16,6 +16,7 @@ from cluster.cli import build_parser, http_limits, main, resolve_api_key
 from cluster.openai.app import ServerState, build_app
 from cluster.openai.http_limits import HttpLimits
 from cluster.openai.http_server import HttpServer
+from cluster.openai.serving_config import ServingConfig
 from cluster.outputs import RequestOutput
 from tests.cluster.conftest import free_port
 
@@ -214,8 +215,7 @@ def server():
     """The HTTP server as the engine actor runs it (HttpServer), on 127.0.0.1 with LIMITS;
     its handle answers after 1.5 s, longer than the header and body timeouts."""
     port = free_port()
-    http = HttpServer({"host": "127.0.0.1", "port": port, "model_names": [MODEL], "api_key": KEY,
-                         "access_log": False, "limits": LIMITS})
+    http = HttpServer(ServingConfig(model_names=(MODEL,), port=port, api_key=KEY, access_log=False, limits=LIMITS))
     asyncio.run(http.start())
     http.serve(FakeHandle(delay=1.5))
     yield port
@@ -356,3 +356,15 @@ def test_limit_flags_reach_the_limits_with_their_defaults():
         http_limits(build_parser().parse_args(["serve", "--request-header-timeout", "0"]))
     with pytest.raises(ValueError, match="max_header_bytes must be an integer >= 1, got -1"):
         HttpLimits(max_header_bytes=-1)
+
+
+def test_the_serving_config_names_a_bad_field_and_value():
+    with pytest.raises(ValueError, match="port must be an integer in \\[0, 65535\\], got 70000"):
+        ServingConfig(model_names=("m",), port=70000)
+    with pytest.raises(ValueError, match="model_names must be a non-empty list of model ids, got 'm'"):
+        ServingConfig(model_names="m")
+    with pytest.raises(ValueError, match="http_process must be one of \\('engine', 'process'\\), got 'thread'"):
+        ServingConfig(model_names=("m",), http_process="thread")
+    with pytest.raises(ValueError, match="max_body_bytes must be an integer >= 1, got 0"):
+        ServingConfig(model_names=("m",), max_body_bytes=0)
+    assert ServingConfig(model_names=["m"], port=8001).url == "http://127.0.0.1:8001"
