@@ -18,7 +18,7 @@ import time
 import torch
 
 from scheduler.protocol import WorkerSampling
-from workers.sampler import SAMPLER_ENV, Sampler, SamplingBatch
+from workers.sampling.sampler import SAMPLER_ENV, Sampler, SamplingBatch
 
 
 def main() -> None:

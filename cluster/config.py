@@ -143,7 +143,7 @@ class EngineConfig:
     enforce_eager: bool = False  # no captured decode graphs on accelerators (debugging)
     graph_sizes: list[int] | None = None  # decode graph buckets; default: powers of two up to max_num_seqs
     prepare_structured_output: bool = False  # load xgrammar at worker start (raylm serve does)
-    accelerator_resource: str | None = None  # place CPU workers as if on this Ray resource (e.g. faked NPUs)
+    accelerator_resource: str | None = None  # a cluster naming its accelerators otherwise; "NPU" + cpu: a dry run
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):

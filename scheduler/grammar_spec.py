@@ -1,7 +1,7 @@
 """GrammarSpec: what a request's output must match (structured output), as it travels.
 
 Pure Python and small: a kind and a text, sent once in a request's NewRequest. The worker
-compiles it with xgrammar (workers/grammar.py) and keeps the matcher next to the request;
+compiles it with xgrammar (workers/sampling/grammar.py) and keeps the matcher next to the request;
 nothing about the grammar crosses the wire per step.
 
 Kinds:

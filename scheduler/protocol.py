@@ -136,7 +136,7 @@ class WorkerSampling:
 
     min_tokens is expressed by position: while the sampled token's position is below
     `ban_until`, the ids in `banned_ids` (EOS and stop ids) cannot be sampled.
-    Penalties (workers/penalties.py) count the request's output tokens, and for
+    Penalties (workers/sampling/penalties.py) count the request's output tokens, and for
     repetition_penalty its prompt tokens too; logit_bias is (token id, bias) pairs, by id.
     A `grammar` constrains the tokens from position `grammar_start` (the first output) on;
     after a preemption or a worker restart the worker replays the known tokens from there.
@@ -156,7 +156,7 @@ class WorkerSampling:
     logit_bias: tuple[tuple[int, float], ...] = ()
     grammar: GrammarSpec | None = None
     grammar_start: int = 0
-    # whether anything of workers/penalties.py applies to its rows: read per row per step, so
+    # whether anything of workers/sampling/penalties.py applies to its rows: read per row per step, so
     # computed once here (the params of a request never change after it is built)
     has_penalties: bool = field(init=False, repr=False, compare=False)
 

@@ -26,10 +26,10 @@ import ray
 
 from scheduler.protocol import StepPlan
 from workers.device import set_cpu_threads, visible_devices_env
-from workers.grammar import xgrammar_installed
 from workers.parallel import SINGLE, ParallelConfig, TensorParallel, free_port
 from workers.runner import ModelRunner
 from workers.runner_config import RunnerConfig
+from workers.sampling.grammar import xgrammar_installed
 from workers.step_channel import StepServer
 
 

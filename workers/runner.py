@@ -31,7 +31,6 @@ from workers.device import (
     synchronize,
     torch_device,
 )
-from workers.grammar_masks import GrammarMasks
 from workers.graphs import DecodeGraphs, check_graph_sizes, default_graph_sizes, graph_device_for
 from workers.kv_cache import KVCache
 from workers.loader import (
@@ -45,14 +44,15 @@ from workers.loader import (
     tokenizer_size,
     weights_fingerprint,
 )
-from workers.logits_codec import encode_logits
 from workers.models.qwen3 import Qwen3ForCausalLM
 from workers.ops import get_op_table
 from workers.parallel import SINGLE, TensorParallel
 from workers.resident import ResidentOutputs
 from workers.runner_config import RunnerConfig, device_outputs_enabled
-from workers.sampler import Sampler, row_logprobs
-from workers.slot_sampling import SlotSampling
+from workers.sampling.grammar_masks import GrammarMasks
+from workers.sampling.logits_codec import encode_logits
+from workers.sampling.sampler import Sampler, row_logprobs
+from workers.sampling.slot_sampling import SlotSampling
 from workers.slot_table import SlotTable
 from workers.staging import StepStaging
 from workers.step_inputs import build_step_inputs

@@ -22,7 +22,7 @@ class SlotState:
     sampling: WorkerSampling
     num_prompt: int  # the leading token_ids that are the prompt; the rest were generated
     has_resident: bool = False  # last_tokens[slot] holds a token this worker sampled for it
-    grammar: object = None  # workers.grammar_masks.RequestGrammar once a row with a grammar samples
+    grammar: object = None  # workers.sampling.grammar_masks.RequestGrammar once a row with a grammar samples
 
 
 @dataclass

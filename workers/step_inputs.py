@@ -3,7 +3,7 @@
 The flat batch puts decode rows first (so attention answers them with one call), then
 every prefill chunk's tokens, each chunk in plan order. Sampling rows stay in plan order.
 All integer inputs, the AttentionMetadata's among them (built here once per step, shared by
-every layer), and the caller's sampling parts (workers/slot_sampling.py), are packed into one
+every layer), and the caller's sampling parts (workers/sampling/slot_sampling.py), are packed into one
 int64 host buffer reused every step (workers/staging.py), copied once, and split into views
 on the device; the metadata's int32 parts sit side by side and are cast with one op.
 """

@@ -209,7 +209,7 @@ class LocalEngine:
         if params.stop:
             self._need_tokenizer("stop strings")
         if params.grammar is not None:  # checked here, where input enters: the worker only compiles it
-            from workers.grammar import build_grammar
+            from workers.sampling.grammar import build_grammar
 
             self._need_tokenizer("structured output (a grammar)")
             size, limit = len(params.grammar.text.encode()), self.config.max_grammar_bytes

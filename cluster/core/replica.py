@@ -52,9 +52,9 @@ from scheduler.protocol import StepResult, pack_int32, sampled_on_device
 from scheduler.request import FinishReason, Request, RequestUpdate
 from scheduler.scheduler import Scheduler
 from workers.actor import remote_worker
-from workers.grammar import CACHE_SIZE as GRAMMAR_CACHE_SIZE
-from workers.grammar import REFUSED_CACHE_SIZE
 from workers.runner_config import RunnerConfig
+from workers.sampling.grammar import CACHE_SIZE as GRAMMAR_CACHE_SIZE
+from workers.sampling.grammar import REFUSED_CACHE_SIZE
 from workers.step_channel import StepChannelError, StepClient, StepTimeout, WorkerStepError, collect
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class Replica:
         if not self._runner_config.device_outputs:
             import torch  # the driver samples: it needs torch's CPU sampler
 
-            from workers.sampler import Sampler
+            from workers.sampling.sampler import Sampler
 
             # one per replica: a Sampler's generators must not be shared across loop threads
             self._host_sampler = Sampler(torch.device("cpu"), seed=self._runner_config.seed)
@@ -448,7 +448,7 @@ class Replica:
             return self.scheduler.update(result)
 
     def _sample_on_driver(self, result: StepResult) -> None:
-        from workers.sampler import sample_host
+        from workers.sampling.sampler import sample_host
 
         rows = self.scheduler.sampling_rows(result.step_id)
         histories = self.scheduler.sampling_histories(result.step_id) if any(

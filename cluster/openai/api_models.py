@@ -6,13 +6,13 @@ field and value. Chat requests may offer tools (tool_choice "none", "auto", "req
 and pass chat_template_kwargs (e.g. {"enable_thinking": false}) to the template; replies
 carry reasoning_content and tool_calls (cluster/openai/chat_output.py). response_format (json_object,
 json_schema) and a forced tool call constrain decoding with a grammar (a GrammarSpec checked
-here, compiled and applied on the worker: workers/grammar_masks.py). `n` (1..16, MAX_N) asks
+here, compiled and applied on the worker: workers/sampling/grammar_masks.py). `n` (1..16, MAX_N) asks
 for n choices, indexed 0..n-1 (a list of k prompts on /v1/completions gives k*n, choice i
 of prompt p at index p*n + i, as OpenAI numbers them); with a seed, choice i samples with
 choice_seed(seed, i); usage counts each prompt once and the completion tokens of every
 choice. presence_penalty, frequency_penalty, repetition_penalty (a vLLM extension) and logit_bias
 ({"token id": bias}, at most MAX_LOGIT_BIAS entries) are applied on the worker's device
-(workers/penalties.py). Features raylm does not have (echo, best_of other than n) are
+(workers/sampling/penalties.py). Features raylm does not have (echo, best_of other than n) are
 refused with a 400 that says so, never silently ignored."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class ResponseFormat(StrictModel):
     def grammar(self) -> GrammarSpec | None:
         """The GrammarSpec it asks for (None for "text"); ValueError naming the field when it is
         incomplete or its schema is not one raylm can constrain to."""
-        from workers.grammar import build_grammar, import_xgrammar  # only when a request asks
+        from workers.sampling.grammar import build_grammar, import_xgrammar  # only when a request asks
 
         if self.type == "text":
             return None
@@ -317,7 +317,7 @@ class ChatCompletionRequest(_Common):
         choice = self.effective_tool_choice()
         if choice == "required" or isinstance(choice, NamedToolChoice):
             from cluster.openai.tool_grammar import tool_call_grammar
-            from workers.grammar import xgrammar_available
+            from workers.sampling.grammar import xgrammar_available
 
             if not xgrammar_available():  # as before xgrammar: the prompt forces the call's start only
                 return None

@@ -15,7 +15,7 @@ own, printed from the composed grammar), compiled on the worker like any other g
 from __future__ import annotations
 
 from scheduler.grammar_spec import GrammarSpec
-from workers.grammar import build_grammar, import_xgrammar, json_schema_grammar, literal_grammar
+from workers.sampling.grammar import build_grammar, import_xgrammar, json_schema_grammar, literal_grammar
 
 CALL_TAIL = "}\n</tool_call>"
 

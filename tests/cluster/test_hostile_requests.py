@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.cluster.conftest import SERVED_MODEL, served_stats, wait_until_idle
-from workers.grammar import xgrammar_available
+from workers.sampling.grammar import xgrammar_available
 
 pytestmark = pytest.mark.ray
 

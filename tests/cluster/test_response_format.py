@@ -11,8 +11,8 @@ import pytest
 
 from cluster.openai import api_models as oa
 from cluster.openai.tool_calls import parse_tool_calls
-from workers.grammar import GrammarCompilerCache, xgrammar_available
 from workers.loader import bundled_model_path, load_tokenizer
+from workers.sampling.grammar import GrammarCompilerCache, xgrammar_available
 from workers.tiny_model.corpus import TOOLS
 
 needs_xgrammar = pytest.mark.skipif(not xgrammar_available(), reason="xgrammar is not installed (raylm[structured])")

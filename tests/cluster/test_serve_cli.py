@@ -12,7 +12,7 @@ import pytest
 import cluster
 from cluster.cli import build_parser
 from tests.cluster.conftest import log_tail, start_raylm_serve, wait_healthy
-from workers.grammar import xgrammar_available
+from workers.sampling.grammar import xgrammar_available
 
 pytestmark = pytest.mark.ray
 

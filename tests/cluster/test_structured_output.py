@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tests.cluster.test_openai_qwen3 import MODEL, _chat, _joined, base, client  # noqa: F401  (fixtures)
-from workers.grammar import xgrammar_available
+from workers.sampling.grammar import xgrammar_available
 from workers.tiny_model.corpus import TOOLS
 
 pytestmark = [pytest.mark.ray,

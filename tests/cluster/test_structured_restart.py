@@ -17,7 +17,7 @@ from cluster import SamplingParams
 from scheduler.grammar_spec import GrammarSpec
 from tests.cluster.faults import arm_fault
 from workers.actor import WORKER_ACTOR_ENV, WorkerActor
-from workers.grammar import xgrammar_available
+from workers.sampling.grammar import xgrammar_available
 
 pytestmark = [pytest.mark.ray,
               pytest.mark.skipif(not xgrammar_available(), reason="xgrammar is not installed (raylm[structured])")]

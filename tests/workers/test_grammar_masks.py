@@ -13,11 +13,11 @@ import torch
 from scheduler.grammar_spec import GrammarSpec
 from scheduler.protocol import WorkerSampling
 from tests.plans import PlanDriver
-from workers.grammar import xgrammar_available
-from workers.grammar_masks import GrammarMasks, apply_bitmask
 from workers.loader import bundled_model_path, eos_token_ids, load_tokenizer
 from workers.runner import ModelRunner
 from workers.runner_config import RunnerConfig
+from workers.sampling.grammar import xgrammar_available
+from workers.sampling.grammar_masks import GrammarMasks, apply_bitmask
 
 pytestmark = pytest.mark.skipif(not xgrammar_available(), reason="xgrammar is not installed (raylm[structured])")
 
@@ -103,7 +103,7 @@ def test_json_schema_output_validates_and_ends_at_eos(tok, eos, resident):
 
 
 def test_host_logits_mode_masks_the_same_way(tok, eos):
-    from workers.sampler import Sampler, sample_host
+    from workers.sampling.sampler import Sampler, sample_host
 
     prompt = _prompt(tok, "Tell me about Paris.")
     device = PlanDriver(_runner())

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from scheduler.protocol import StepResult, sampled_on_device
-from workers.logits_codec import encode_logits, logits_tensor
 from workers.resident import ResidentOutputs, bucket
 from workers.runner_config import ENV_DEVICE_OUTPUTS, device_outputs_enabled
+from workers.sampling.logits_codec import encode_logits, logits_tensor
 
 DEVICES = [
     "cpu",

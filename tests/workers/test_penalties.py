@@ -12,9 +12,9 @@ import torch
 from scheduler.protocol import MAX_LOGIT_BIAS
 from scheduler.protocol import WorkerSampling as W
 from tests.devices import DEVICES
-from workers.penalties import PenaltyLayout, PenaltyRows, apply_penalties
-from workers.sampler import Sampler, SamplingBatch
-from workers.slot_sampling import SlotSampling
+from workers.sampling.penalties import PenaltyLayout, PenaltyRows, apply_penalties
+from workers.sampling.sampler import Sampler, SamplingBatch
+from workers.sampling.slot_sampling import SlotSampling
 from workers.staging import StepStaging
 
 V = 50
@@ -222,7 +222,7 @@ def test_a_recomputed_request_counts_its_earlier_outputs(runners):
 
 
 def test_device_sampling_equals_host_logits_sampling_with_penalties(runners):
-    from workers.sampler import sample_host
+    from workers.sampling.sampler import sample_host
 
     n = 20
     params = [W(temperature=1.0, seed=1, frequency_penalty=2.0, presence_penalty=0.5),

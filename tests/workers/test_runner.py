@@ -18,9 +18,9 @@ from tests import oracle
 from tests.devices import DEVICES
 from tests.plans import PlanDriver
 from workers.loader import bundled_model_path, load_tokenizer
-from workers.logits_codec import logits_tensor
 from workers.runner import ModelRunner
 from workers.runner_config import RunnerConfig
+from workers.sampling.logits_codec import logits_tensor
 
 BS = 4
 NEW = 32

@@ -12,9 +12,9 @@ import workers.runner as runner_module
 from tests.plans import PlanDriver
 from tests.workers import npu_emulation
 from tests.workers.fake_graphs import FakeGraphDevice
-from workers.logits_codec import logits_tensor
 from workers.runner import ModelRunner
 from workers.runner_config import RunnerConfig
+from workers.sampling.logits_codec import logits_tensor
 
 pytestmark = pytest.mark.npu_emulated
 

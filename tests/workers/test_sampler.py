@@ -11,9 +11,9 @@ import torch
 
 from scheduler.protocol import StepResult
 from scheduler.protocol import WorkerSampling as W
-from workers.logits_codec import encode_logits
 from workers.resident import ResidentOutputs
-from workers.sampler import SAMPLER_ENV, Sampler, SamplingBatch, row_logprobs, sample_host
+from workers.sampling.logits_codec import encode_logits
+from workers.sampling.sampler import SAMPLER_ENV, Sampler, SamplingBatch, row_logprobs, sample_host
 
 DEVICES = [
     "cpu",

@@ -11,8 +11,8 @@ import torch
 
 from scheduler.protocol import WorkerSampling as W
 from tests.devices import DEVICES
-from workers.sampler import Sampler, SamplingBatch
-from workers.slot_sampling import SlotSampling
+from workers.sampling.sampler import Sampler, SamplingBatch
+from workers.sampling.slot_sampling import SlotSampling
 from workers.staging import StepStaging
 
 NUM_SLOTS = 12

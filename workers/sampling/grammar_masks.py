@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from scheduler.protocol import USE_RESIDENT
-from workers.grammar import GrammarCompilerCache, xgrammar_installed
 from workers.loader import eos_token_ids, load_tokenizer
+from workers.sampling.grammar import GrammarCompilerCache, xgrammar_installed
 from workers.slot_table import RowWork
 
 log = logging.getLogger(__name__)

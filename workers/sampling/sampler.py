@@ -1,6 +1,6 @@
 """Sampling on the worker's device, for a batch that mixes policies row by row.
 
-Penalties and logit_bias (workers/penalties.py) change a row's logits first, greedy rows'
+Penalties and logit_bias (workers/sampling/penalties.py) change a row's logits first, greedy rows'
 too, then min_tokens bans. Rows are greedy (temperature 0) or random: temperature, then top-k, top-p and min-p (in
 that order; top-p sees the top-k-renormalized distribution, min-p compares each token's
 probability with the row's most likely one). Filters are value thresholds: ties at the
@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import torch
 
 from scheduler.protocol import RowLogprobs, StepResult, WorkerSampling
-from workers.logits_codec import logits_tensor
-from workers.penalties import apply_penalties
 from workers.resident import ResidentOutputs
-from workers.sampling_batch import SamplingBatch
+from workers.sampling.logits_codec import logits_tensor
+from workers.sampling.penalties import apply_penalties
+from workers.sampling.sampling_batch import SamplingBatch
 
 TOP_P_CANDIDATES = 1024  # CPU: top-p first looks for the nucleus among this many tokens
 SAMPLER_ENV = "RAYLM_CPU_SAMPLER"  # "fused" (default where the kernels build) or "torch"

@@ -3,7 +3,7 @@
 SamplingLayout sorts a step's sampling rows onto the sampler's paths on the host (greedy or
 random; which random rows filter by top-k, top-p, min-p; seeds; bans; logprobs). The batch's
 per-row values then come either from each row's params (`SamplingBatch.build`, the driver's
-host-logits path) or from the worker's per-slot device state (workers/slot_sampling.py);
+host-logits path) or from the worker's per-slot device state (workers/sampling/slot_sampling.py);
 both give the same batch.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from scheduler.protocol import WorkerSampling
-from workers.penalties import PenaltyLayout, PenaltyRows
+from workers.sampling.penalties import PenaltyLayout, PenaltyRows
 
 SAMPLING_EPS = 1e-5  # temperatures below this are treated as greedy (1/T would overflow)
 _MASK64 = (1 << 64) - 1
@@ -64,7 +64,7 @@ class SamplingBatch:
     logprob_n: list[int] = field(default_factory=list)  # top-n each of those rows asked for
     logprob_idx: torch.Tensor | None = None  # [L] = logprob_rows, None when every row asked
     max_logprobs: int = 0  # n_max over the rows that asked
-    penalties: PenaltyRows | None = None  # rows with penalties or logit_bias (workers/penalties.py)
+    penalties: PenaltyRows | None = None  # rows with penalties or logit_bias (workers/sampling/penalties.py)
 
     @classmethod
     def build(cls, params: list[WorkerSampling], positions: list[int], device: torch.device,

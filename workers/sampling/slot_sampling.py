@@ -7,7 +7,7 @@ its rows' values from those tensors on the device. So a step sends only ints: wh
 take which path (SamplingLayout) and the slots to gather from, packed into the same
 single host->device copy as the step's other inputs (workers/staging.py), plus the
 float parameters of the requests that just arrived. Requests with penalties keep more state
-per slot (workers/penalties.py: PenaltyState), written the same way when they arrive and
+per slot (workers/sampling/penalties.py: PenaltyState), written the same way when they arrive and
 counted after each step's sampling (`record`).
 
 `prepare` (host, before the copy) and `finish` (device views, after it) bracket that copy.
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from scheduler.protocol import WorkerSampling
-from workers.penalties import PenaltyState
-from workers.sampling_batch import SamplingBatch, SamplingLayout
+from workers.sampling.penalties import PenaltyState
+from workers.sampling.sampling_batch import SamplingBatch, SamplingLayout
 
 _FLOATS = ("temperature", "top_p", "log_min_p")  # float32 per slot
 _VALUES = ("temperature", "top_k", "top_p", "log_min_p")  # what a batch gathers per row
