@@ -224,11 +224,15 @@ class Request:
                              "the engine resolves None to what fits in max_model_len")
         self.eos_token_ids = frozenset(self.eos_token_ids)
 
+    def fail(self, message: str, now: float) -> None:
+        """Finish a request the scheduler never ran, with ERROR and `message`."""
+        self.status, self.finish_reason, self.error, self.finish_time = RequestStatus.FINISHED, FinishReason.ERROR, \
+            message, now
+
     def refuse(self, message: str, now: float) -> None:
-        """Finish a request the scheduler never ran, because its input cannot be served."""
-        self.status, self.finish_reason, self.error, self.refused = RequestStatus.FINISHED, FinishReason.ERROR, \
-            message, True
-        self.finish_time = now
+        """fail(), because its own input cannot be served: callers get it as bad input."""
+        self.fail(message, now)
+        self.refused = True
 
     @property
     def num_prompt_tokens(self) -> int:

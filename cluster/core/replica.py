@@ -490,7 +490,12 @@ class Replica:
         log.error("replica %d: giving up for %.0f s: %s", self.index, self.config.replica_cooldown_s, message)
         with self._lock:  # the health state says "down" already: add() refuses from here on
             failed = self.scheduler.fail_all(message)
-        self._emit(self, [RequestUpdate(r, [], [], True) for r in failed])
+            held = [r for c in self._compiling.values() for r in c.requests]  # waiting for a grammar
+            self._compiling.clear()
+        now = time.monotonic()
+        for r in held:
+            r.fail(message, now)
+        self._emit(self, [RequestUpdate(r, [], [], True) for r in failed + held])
 
     def _rejoin_after_cooldown(self) -> None:
         """Down: wait out the cool-down, then start a worker; routable again once it is up."""

@@ -215,3 +215,26 @@ def test_a_concurrent_stream_keeps_flowing_while_a_bomb_is_served(served_engine,
     assert health.status_code == 200 and health.json()["status"] == "ok"
     assert stream.finish_reason == "length"
     assert gap < GAP_BOUND_S
+
+
+@pytest.mark.skipif(not xgrammar_available(), reason="xgrammar is not installed (raylm[structured])")
+def test_a_request_waiting_for_its_grammar_fails_with_its_replica_not_later(ray_session, faulty_workers):
+    """A replica that gives up fails the requests waiting for their grammar with the reason at once,
+    as it fails its scheduled ones, rather than leaving them to run out their compile deadline."""
+    import cluster
+    from cluster import SamplingParams
+    from scheduler.grammar_spec import GrammarSpec
+    from tests.cluster.faults import arm_fault, generate_in_background
+
+    schema = json.dumps(enum_schema(8000)["json_schema"]["schema"])  # compiles for seconds
+    with cluster.launch(num_kv_blocks=64, threads_per_worker=1, max_worker_restarts=0, max_grammar_bytes=1 << 20,
+                        grammar_compile_timeout_s=60) as llm:
+        arm_fault(llm, "exit", after_steps=3)
+        stream, box = generate_in_background(llm, ["Hello"], SamplingParams(max_tokens=200, ignore_eos=True))
+        t0 = time.monotonic()
+        held = llm.generate("Hi", SamplingParams(max_tokens=4, grammar=GrammarSpec("json_schema", schema)))
+        waited = time.monotonic() - t0
+        stream.join(timeout=60)
+    assert held.finish_reason == "error" and "worker failed" in held.error, held.error
+    assert box["outs"][0].finish_reason == "error"
+    assert waited < 30  # not the 60 s compile deadline
