@@ -203,3 +203,30 @@ def test_fail_all_finishes_everything_with_the_message():
     assert not sched.has_unfinished() and sched.stats()["kv_blocks_used"] == 0
     assert sched.update(in_flight) == []  # late tokens are discarded
     assert sorted(sched.schedule().finished) == [0, 1]  # the worker is told to drop them
+
+
+def test_a_request_on_the_worker_at_every_failure_is_failed_and_the_rest_recompute_the_same():
+    """recover(max_failures=2): the request on the worker at two failures in a row is failed; those
+    with one failure on record are admitted one at a time, and a sampled token clears the record."""
+    reqs = make_requests(3, prompt_len=6, max_tokens=6)
+    pill = reqs[2]
+    sched = make_scheduler(max_num_seqs=4, requests=reqs)
+    FakeRunner.for_scheduler(sched).execute(sched.schedule())  # all three admitted; the worker dies
+    assert sched.recover(max_failures=2) == [] and sched.stats()["suspect_requests"] == 3
+    runner = FakeRunner.for_scheduler(sched)
+    plan = sched.schedule()
+    assert [nr.slot for nr in plan.new_requests] == [reqs[0].slot]  # suspects one at a time, oldest first
+    sched.update(runner.execute(plan))  # its first token: no longer a suspect
+    assert reqs[0].num_failures == 0 and sched.stats()["suspect_requests"] == 2
+    plan = sched.schedule()  # the next suspect joins (reqs[0] decodes beside it)
+    assert [nr.slot for nr in plan.new_requests] == [reqs[1].slot]
+    sched.update(runner.execute(plan))
+    plan = sched.schedule()
+    assert [nr.slot for nr in plan.new_requests] == [pill.slot]
+    runner.execute(plan)  # the pill takes the worker down again
+    failed = sched.recover(max_failures=2)
+    assert failed == [pill] and pill.finish_reason is FinishReason.ERROR and "r2" in pill.error
+    assert sched.stats()["poisoned_requests"] == 1 and sched.stats()["suspect_requests"] == 2
+    drive(sched, FakeRunner.for_scheduler(sched))
+    assert_matches_reference(reqs[:2])
+    assert sched.stats()["suspect_requests"] == 0
