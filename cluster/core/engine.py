@@ -315,7 +315,10 @@ class LocalEngine:
                 del self._groups[st.group]
         if req.refused:  # its input cannot be served: the caller gets the error as bad input
             refusal = RequestRefused(req.request_id, req.error)
-            st.stream.put(refusal) if out is None else out.append((st.stream, refusal))
+            if out is None:
+                st.stream.put(refusal)
+            else:
+                out.append((st.stream, refusal))
             return
         if st.detok.stop_reason is not None:
             st.stop_reason = st.detok.stop_reason
@@ -411,8 +414,10 @@ def make_request(request_id: str, ids: list[int], params: SamplingParams, *, voc
     becomes what fits in max_model_len."""
     if not isinstance(request_id, str) or not request_id:
         raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-    if not ids or not all_ints_in(ids, 0, vocab_size):
-        check_token_ids("prompt", ids or [None], vocab_size)
+    if not ids:
+        raise ValueError("prompt must not be empty")
+    if not all_ints_in(ids, 0, vocab_size):
+        check_token_ids("prompt", ids, vocab_size)
     if len(ids) >= max_model_len:
         raise ValueError(f"prompt has {len(ids)} tokens, but max_model_len is {max_model_len}")
     if params.max_tokens is None:
