@@ -16,9 +16,10 @@ import os
 
 import torch
 
-from workers.ops.base import AttentionBackend, AttentionMetadata, OpTable
+from workers.ops.base import AttentionBackend, AttentionMetadata, MoEWeights, OpTable, route_tokens
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "OpTable", "NAMES", "default_name", "get_op_table"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "MoEWeights", "OpTable", "route_tokens", "NAMES", "default_name",
+           "get_op_table"]
 
 NAMES = ("reference", "cpu", "cuda", "npu")
 _DEFAULTS = {"cpu": "cpu", "cuda": "cuda", "npu": "npu"}

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -76,6 +77,43 @@ class AttentionBackend:
         raise NotImplementedError
 
 
+@dataclass
+class MoEWeights:
+    """One MoE layer's experts as this rank holds them: global experts
+    [first_expert, first_expert + num_local) of `num_experts` (the router's width).
+
+    w13 [num_local, 2 * I, hidden]: each expert's gate rows, then its up rows (HF's gate_up_proj);
+    w2 [num_local, hidden, I]: its down projection. Under tensor parallelism without expert
+    parallelism I is this rank's slice of moe_intermediate_size. The weights may be narrower than
+    the activations (bf16 experts, fp32 compute): a table widens them as it reads them, never
+    keeping a wide copy. A table's prepare_moe may return a subclass carrying its own layout."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    first_expert: int
+    num_experts: int
+
+    @property
+    def num_local(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w2.shape[2]
+
+
+def route_tokens(router_logits: torch.Tensor, top_k: int,
+                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-MoE's router after its linear: softmax over every expert in fp32, the top_k, divided
+    by their sum when `renormalize` (norm_topk_prob), cast to the logits' dtype.
+    router_logits [T, E] -> (weights [T, top_k] in router_logits.dtype, expert ids [T, top_k] int64)."""
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
 class OpTable:
     """Everything the model computes with besides plain tensor views."""
 
@@ -133,4 +171,18 @@ class OpTable:
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, 2I] (gate then up) -> silu(x[:, :I]) * x[:, I:]  [T, I]."""
+        raise NotImplementedError
+
+    # -- mixture of experts --
+    def prepare_moe(self, w13: torch.Tensor, w2: torch.Tensor, first_expert: int, num_experts: int) -> MoEWeights:
+        """One layer's experts (MoEWeights' layout) -> the handle fused_moe takes, once at load."""
+        return MoEWeights(w13, w2, first_expert, num_experts)
+
+    def fused_moe(self, x: torch.Tensor, router_logits: torch.Tensor, experts: MoEWeights, top_k: int,
+                  renormalize: bool) -> torch.Tensor:
+        """Qwen3's sparse MoE block after the router's linear: x [T, hidden], router_logits [T, E]
+        -> [T, hidden] in x.dtype. Each token is routed as `route_tokens` says; its output is the
+        sum, over its chosen experts that this rank holds, of weight * down(silu(gate(x)) * up(x)),
+        each expert's product in x.dtype as HF computes it. Experts held elsewhere add nothing
+        (the caller all-reduces)."""
         raise NotImplementedError

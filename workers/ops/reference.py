@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.ops.base import AttentionBackend, AttentionMetadata, OpTable
+from workers.ops.base import AttentionBackend, AttentionMetadata, MoEWeights, OpTable, route_tokens
 
 
 def _blocks_for(n: int, block_size: int) -> int:
@@ -109,6 +109,20 @@ class ReferenceOps(OpTable):
     def silu_and_mul(self, x):
         i = x.shape[-1] // 2
         return F.silu(x[:, :i]) * x[:, i:]
+
+    def fused_moe(self, x, router_logits, experts: MoEWeights, top_k, renormalize):
+        """HF's expert loop: each hit expert in ascending order adds its tokens' weighted outputs
+        into a zero sum (index_add_), widening a narrower expert's weights as it reads them."""
+        weights, ids = route_tokens(router_logits, top_k, renormalize)  # [T, k] each
+        out = torch.zeros_like(x)
+        local = ids - experts.first_expert  # [T, k]: this rank's index of each chosen expert
+        held = (local >= 0) & (local < experts.num_local)
+        for e in torch.unique(local[held]).tolist():
+            token, slot = torch.where(local == e)
+            h = self.linear(x[token], (experts.w13[e].to(x.dtype), None))  # [n, 2I]
+            h = self.linear(self.silu_and_mul(h), (experts.w2[e].to(x.dtype), None))  # [n, hidden]
+            out.index_add_(0, token, h * weights[token, slot, None])
+        return out
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
