@@ -1,7 +1,9 @@
-"""Load a Qwen3 checkpoint directory as Hugging Face writes it.
+"""Load a Qwen3 or Qwen3-MoE checkpoint directory as Hugging Face writes it.
 
 config.json, then model.safetensors or a sharded model.safetensors.index.json; tied or
-untied embeddings; dtype from the config or overridden. Every problem raises a
+untied embeddings; dtype from the config or overridden. A MoE layer's experts come either
+under Qwen's per-expert names (`mlp.experts.N.{gate,up,down}_proj.weight`) or in the stacked
+layout (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`). Every problem raises a
 CheckpointError (a ValueError) that names it: the missing directory or file, the missing
 or unexpected weight, both shapes of a mismatch, the architecture that is not Qwen3.
 
@@ -9,13 +11,15 @@ A model spec `random:qwen3-0.6b[?layers=N&seed=S]` instead of a path names a mod
 seeded random weights built in memory (benchmarks); it has no tokenizer.
 
 Under tensor parallelism (`parallel`) each rank reads only its slice of each tensor
-(safetensors' get_slice), as workers/parallel.py splits them.
+(safetensors' get_slice), as workers/parallel.py splits them; under expert parallelism it
+reads only its own experts.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 from copy import deepcopy
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,14 +29,17 @@ import torch
 from safetensors import safe_open
 
 from workers.models.qwen3 import PreparedWeights, Qwen3Config, Qwen3ForCausalLM
+from workers.models.rope import RopeConfig
 from workers.parallel import SINGLE, TensorParallel, shard_of
 from workers.runner_config import DTYPE_ALIASES, DTYPE_NAMES, canonical_dtype
 
-ARCHITECTURE = "Qwen3ForCausalLM"
+ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}  # -> model_type
 # every name a config may give (workers/runner_config.py) -> its torch dtype
 DTYPES = {name: getattr(torch, canonical_dtype(name)) for name in (*DTYPE_NAMES, *DTYPE_ALIASES)}
 # weights some checkpoints carry that the model recomputes
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# one expert's weight under Qwen's per-expert names: (layer's experts prefix, expert, projection)
+_EXPERT_NAME = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 class CheckpointError(ValueError):
@@ -70,29 +77,21 @@ def _read_json(path: Path) -> dict:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
 
 
-def _rope_theta(raw: dict) -> float:
-    params = raw.get("rope_parameters") or raw.get("rope_scaling")
-    if isinstance(params, dict):
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type != "default":
-            raise CheckpointError(f"rope type {rope_type!r} is not supported (only 'default')")
-        if "rope_theta" in params:
-            return float(params["rope_theta"])
-    return float(raw.get("rope_theta", 10000.0))
-
-
 def config_from_dict(raw: dict) -> Qwen3Config:
     archs = raw.get("architectures") or []
-    if archs and ARCHITECTURE not in archs:
-        raise CheckpointError(f"architecture {archs[0]!r} is not {ARCHITECTURE!r}")
-    if not archs and raw.get("model_type") != "qwen3":
-        raise CheckpointError(f"model_type {raw.get('model_type')!r} is not 'qwen3'")
+    known = " or ".join(repr(a) for a in ARCHITECTURES)
+    if archs and not any(a in ARCHITECTURES for a in archs):
+        raise CheckpointError(f"architecture {archs[0]!r} is not {known}")
+    model_type = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None) or raw.get("model_type")
+    if model_type not in ARCHITECTURES.values():
+        raise CheckpointError(f"model_type {raw.get('model_type')!r} is not 'qwen3' or 'qwen3_moe'")
     if raw.get("use_sliding_window"):
         raise CheckpointError("use_sliding_window is not supported")
     if raw.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"hidden_act {raw['hidden_act']!r} is not supported (only 'silu')")
     try:
         heads = raw["num_attention_heads"]
+        rope = RopeConfig.from_hf(raw)
         return Qwen3Config(
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
@@ -102,16 +101,32 @@ def config_from_dict(raw: dict) -> Qwen3Config:
             num_key_value_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(raw),
+            rope_theta=rope.rope_theta,
+            rope_scaling=rope if rope.scaled else None,
             max_position_embeddings=raw.get("max_position_embeddings", 32768),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
             torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+            **(_moe_fields(raw) if model_type == "qwen3_moe" else {}),
         )
     except KeyError as e:
         raise CheckpointError(f"config.json lacks {e.args[0]!r}") from None
     except ValueError as e:
         raise CheckpointError(f"config.json: {e}") from None
+
+
+def _moe_fields(raw: dict) -> dict:
+    """Qwen3MoeConfig's fields (transformers 5 writes num_experts as num_local_experts)."""
+    experts = raw.get("num_experts", raw.get("num_local_experts"))
+    if experts is None:
+        raise KeyError("num_experts")
+    only = raw.get("mlp_only_layers") or []
+    if not isinstance(only, (list, tuple)):
+        raise CheckpointError(f"config.json: mlp_only_layers must be a list of layer numbers, got {only!r}")
+    return dict(num_experts=experts, num_experts_per_tok=raw["num_experts_per_tok"],
+                moe_intermediate_size=raw["moe_intermediate_size"],
+                norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                decoder_sparse_step=raw.get("decoder_sparse_step", 1), mlp_only_layers=tuple(only))
 
 
 def load_config(path) -> Qwen3Config:
@@ -156,23 +171,42 @@ def _no_init_on_meta():
 
 
 def empty_model(config: Qwen3Config, dtype: torch.dtype, device,
-                parallel: TensorParallel = SINGLE) -> Qwen3ForCausalLM:
+                parallel: TensorParallel = SINGLE, expert_dtype: torch.dtype | None = None) -> Qwen3ForCausalLM:
     """A model (this rank's part of it) with uninitialized weights of `dtype` on `device`
-    (built on meta: no double allocation)."""
+    (built on meta: no double allocation); MoE experts in `expert_dtype` (None: dtype)."""
     with torch.device("meta"), _no_init_on_meta():
         model = Qwen3ForCausalLM(config, parallel)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    store_experts(model, expert_dtype or dtype)
+    model = model.to_empty(device=device)
     model.tie_weights()
     model.reset_rotary()
     return model.eval().requires_grad_(False)
 
 
-def cast_model(model: Qwen3ForCausalLM, dtype: torch.dtype, device=None, *, copy: bool = False) -> Qwen3ForCausalLM:
-    """`model` in `dtype` (on `device`), embeddings re-tied and RoPE tables redone in fp32.
-    Module.to works in place: copy=True leaves the caller's model as it was."""
+def expert_dtype_for(weights_dtype: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    """The dtype MoE experts are kept in: the checkpoint's own where it is narrower than the compute
+    dtype (exact; the op table widens them as it reads: half the bytes a decode step reads)."""
+    return weights_dtype if weights_dtype.itemsize < dtype.itemsize else dtype
+
+
+@torch.no_grad()
+def store_experts(model: Qwen3ForCausalLM, dtype: torch.dtype) -> None:
+    """Keep every MoE layer's experts in `dtype` (in place; nothing for a dense model)."""
+    for name, module in model.named_modules():
+        if name.endswith("mlp.experts"):
+            module.to(dtype)
+
+
+def cast_model(model: Qwen3ForCausalLM, dtype: torch.dtype, device=None, *, copy: bool = False,
+               expert_dtype: torch.dtype | None = None) -> Qwen3ForCausalLM:
+    """`model` in `dtype` (on `device`; MoE experts in `expert_dtype`, None: dtype), embeddings re-tied
+    and RoPE tables redone in fp32. Module.to works in place: copy=True leaves the caller's model as it was."""
     if copy:
         model = deepcopy(model)
-    model = model.to(device=device, dtype=dtype)
+    experts = {id(p) for name, m in model.named_modules() if name.endswith("mlp.experts") for p in m.parameters()}
+    for param in model.parameters():  # each straight to its own dtype: never a wide copy of every expert
+        param.data = param.data.to(device=device, dtype=(expert_dtype or dtype) if id(param) in experts else dtype)
     model.tie_weights()
     model.reset_rotary()
     model.prepared = PreparedWeights()  # new weights: the op table prepares them again
@@ -180,15 +214,22 @@ def cast_model(model: Qwen3ForCausalLM, dtype: torch.dtype, device=None, *, copy
 
 
 @torch.no_grad()
-def load_model(path, dtype=None, device="cpu", parallel: TensorParallel = SINGLE) -> Qwen3ForCausalLM:
+def load_model(path, dtype=None, device="cpu", parallel: TensorParallel = SINGLE,
+               expert_dtype=None) -> Qwen3ForCausalLM:
+    """The checkpoint at `path` as this rank's model in `dtype` (None: the config's) on `device`;
+    MoE experts in `expert_dtype` (None: dtype)."""
     d = _checkpoint_dir(path)
     config = load_config(d)
-    model = empty_model(config, resolve_dtype(dtype or config.torch_dtype), device, parallel)
+    dtype = resolve_dtype(dtype or config.torch_dtype)
+    model = empty_model(config, dtype, device, parallel, resolve_dtype(expert_dtype or dtype))
     params = dict(model.named_parameters())  # tied: lm_head.weight is the embedding, listed once
     loaded: set[str] = set()
+    experts = _ExpertPieces(model, parallel)
     for file in _weight_files(d):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
+                if experts.load(name, f, params, file.name):
+                    continue
                 if name not in params:
                     if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
                         continue
@@ -203,11 +244,62 @@ def load_model(path, dtype=None, device="cpu", parallel: TensorParallel = SINGLE
                     )
                 param.copy_(shard_of(name, source, shape, parallel, config.vocab_size))
                 loaded.add(name)
-    missing = sorted(set(params) - loaded)
+    missing = sorted(set(params) - loaded - experts.complete())
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"missing weight {missing[0]!r}{more} in {str(d)!r}")
     return model
+
+
+class _ExpertPieces:
+    """Loads experts stored under Qwen's per-expert names into the model's stacked tensors
+    (`...mlp.experts.gate_up_proj` [E, 2I, hidden]: gate rows, then up rows; `down_proj`
+    [E, hidden, I]), this rank's experts and slices only, and tracks which arrived."""
+
+    def __init__(self, model: Qwen3ForCausalLM, parallel: TensorParallel) -> None:
+        self.parallel = parallel
+        self.shape = model.shape
+        self.config = model.config
+        self.pieces: dict[str, set] = {}  # stacked parameter -> (local expert, projection) loaded
+
+    def load(self, name: str, f, params: dict, file: str) -> bool:
+        """Load `name` from the open safetensors `f` (named `file`) if it is one expert's weight
+        (True), else leave it (False)."""
+        m = _EXPERT_NAME.match(name)
+        if m is None:
+            return False
+        prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+        target = f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+        if target not in params or expert >= self.config.num_experts:
+            raise CheckpointError(f"unexpected weight {name!r} in {file}")
+        c = self.config
+        full = (c.hidden_size, c.moe_intermediate_size) if proj == "down_proj" else (c.moe_intermediate_size,
+                                                                                      c.hidden_size)
+        source = f.get_slice(name)  # reads nothing until sliced
+        shape = tuple(source.get_shape())
+        if shape != full:
+            raise CheckpointError(f"shape mismatch for {name!r}: checkpoint has {shape}, model expects {full}")
+        local = expert - self.shape.first_expert
+        if not 0 <= local < self.shape.num_local_experts:
+            return True  # another rank's expert: not read
+        # expert parallelism holds whole experts; plain TP this rank's rows (gate, up) or columns (down)
+        part = source[:] if self.parallel.expert_parallel else shard_of(name, source, shape, self.parallel,
+                                                                       c.vocab_size)
+        inter = self.shape.moe_intermediate_size
+        param = params[target]
+        rows = {"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter), "down_proj": slice(None)}[proj]
+        param[local, rows].copy_(part)
+        self.pieces.setdefault(target, set()).add((local, proj))
+        return True
+
+    def complete(self) -> set[str]:
+        """The stacked parameters every one of whose local experts arrived whole."""
+        done = set()
+        for target, got in self.pieces.items():
+            projs = ("down_proj",) if target.endswith("down_proj") else ("gate_proj", "up_proj")
+            if all((e, p) in got for e in range(self.shape.num_local_experts) for p in projs):
+                done.add(target)
+        return done
 
 
 def _full_shape(model: Qwen3ForCausalLM, name: str, param) -> tuple[int, ...]:
@@ -252,6 +344,9 @@ def tokenizer_size(path) -> int:
     tokenizer_config.json declares beyond it. OSError / ValueError where neither can be read."""
     d = _checkpoint_dir(path)
     if not (d / "tokenizer.json").is_file():
+        # without any tokenizer file transformers builds an empty tokenizer of the model type's class
+        if not any((d / name).is_file() for name in ("tokenizer_config.json", "vocab.json", "tokenizer.model")):
+            raise ValueError(f"no tokenizer files in {str(d)!r}")
         return len(load_tokenizer(d))
     from tokenizers import Tokenizer
 

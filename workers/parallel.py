@@ -44,6 +44,7 @@ class ParallelConfig:
     master_addr: str = "127.0.0.1"  # rank 0's address: the TCP rendezvous
     master_port: int = 0
     timeout_s: float = 600.0  # a collective waiting this long raises (the driver's step timeout fires first)
+    expert_parallel: bool = False  # MoE: each rank holds whole experts, not a slice of every expert
 
     def __post_init__(self) -> None:
         _positive_int("world_size", self.world_size)
@@ -65,10 +66,11 @@ def free_port(host: str = "") -> int:
 class TensorParallel:
     """One rank's view of its group: rank, world size and the collectives the model uses."""
 
-    def __init__(self, rank: int = 0, world_size: int = 1, group=None) -> None:
+    def __init__(self, rank: int = 0, world_size: int = 1, group=None, expert_parallel: bool = False) -> None:
         self.rank = rank
         self.world_size = world_size
         self.group = group  # a torch.distributed ProcessGroup; None for the single rank
+        self.expert_parallel = expert_parallel and world_size > 1  # how MoE experts split (ShardedShape)
         # host time inside collectives (on the CPU the wait and the transfer; on accelerators,
         # whose collectives are queued, only the launch): what bench_tp.py reports
         self.collective_s = 0.0
@@ -100,7 +102,7 @@ class TensorParallel:
         dist.init_process_group(
             backend=dist_backend(device_kind), init_method=f"tcp://{config.master_addr}:{config.master_port}",
             rank=config.rank, world_size=config.world_size, timeout=datetime.timedelta(seconds=config.timeout_s))
-        return cls(config.rank, config.world_size, dist.group.WORLD)
+        return cls(config.rank, config.world_size, dist.group.WORLD, config.expert_parallel)
 
     def close(self) -> None:
         if self.group is not None:
@@ -170,12 +172,16 @@ def padded_vocab(vocab_size: int, world_size: int) -> int:
     return -(-vocab_size // world_size) * world_size
 
 
-def check_shardable(config, world_size: int) -> None:
-    """ValueError naming each shape that does not split evenly over `world_size` ranks."""
+def check_shardable(config, world_size: int, expert_parallel: bool = False) -> None:
+    """ValueError naming each shape that does not split evenly over `world_size` ranks (MoE:
+    the experts under expert parallelism, else each expert's intermediate dim)."""
     _positive_int("tensor_parallel_size", world_size)
-    bad = [f"{name} ({getattr(config, name)})" for name in
-           ("num_attention_heads", "num_key_value_heads", "intermediate_size")
-           if getattr(config, name) % world_size]
+    names = ["num_attention_heads", "num_key_value_heads"]
+    if getattr(config, "has_dense_layers", True):
+        names.append("intermediate_size")
+    if getattr(config, "is_moe", False):
+        names.append("num_experts" if expert_parallel else "moe_intermediate_size")
+    bad = [f"{name} ({getattr(config, name)})" for name in names if getattr(config, name) % world_size]
     if bad:
         raise ValueError(f"tensor_parallel_size {world_size} must divide {', '.join(bad)}")
 
@@ -189,17 +195,25 @@ class ShardedShape:
     intermediate_size: int
     vocab_rows: int  # this rank's rows of the (padded) vocab
     vocab_start: int  # the first vocab id this rank holds
+    # MoE (zeros for a dense model): this rank's experts and their intermediate dim
+    num_local_experts: int = 0
+    first_expert: int = 0
+    moe_intermediate_size: int = 0
 
     @classmethod
     def of(cls, config, parallel: TensorParallel) -> ShardedShape:
         w, r = parallel.world_size, parallel.rank
+        experts, inter = getattr(config, "num_experts", 0), getattr(config, "moe_intermediate_size", 0)
         if w == 1:
             return cls(config.num_attention_heads, config.num_key_value_heads, config.intermediate_size,
-                       config.vocab_size, 0)
-        check_shardable(config, w)
+                       config.vocab_size, 0, experts, 0, inter)
+        ep = parallel.expert_parallel
+        check_shardable(config, w, ep)
         rows = padded_vocab(config.vocab_size, w) // w
+        local = experts // w if ep else experts
         return cls(config.num_attention_heads // w, config.num_key_value_heads // w,
-                   config.intermediate_size // w, rows, r * rows)
+                   config.intermediate_size // w, rows, r * rows,
+                   local, r * local if ep else 0, inter if ep else inter // w)
 
 
 # parameter name suffix -> the dim split across ranks (0: output rows, 1: input columns)
@@ -208,6 +222,7 @@ _COLUMN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_
 _ROW = ("o_proj.weight", "down_proj.weight")
 _ROW_BIAS = ("o_proj.bias", "down_proj.bias")
 _VOCAB = ("embed_tokens.weight", "lm_head.weight")
+_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")  # a MoE layer's stacked experts
 
 
 def shard_of(name: str, source, full_shape: tuple[int, ...], parallel: TensorParallel,
@@ -215,8 +230,10 @@ def shard_of(name: str, source, full_shape: tuple[int, ...], parallel: TensorPar
     """This rank's part of weight `name` read from `source`, which slices like a tensor
     (a tensor, or safetensors' get_slice: only the slice is read from disk)."""
     w, r = parallel.world_size, parallel.rank
-    if w == 1 or not name.endswith(_COLUMN + _ROW + _ROW_BIAS + _VOCAB):
+    if w == 1 or not name.endswith(_COLUMN + _ROW + _ROW_BIAS + _VOCAB + _EXPERTS):
         return source[:]
+    if name.endswith(_EXPERTS):
+        return _expert_shard(name, source, full_shape, parallel)
     if name.endswith(_ROW_BIAS):  # added once, by rank 0
         return source[:] if r == 0 else torch.zeros_like(source[:])
     if name.endswith(_VOCAB):
@@ -232,3 +249,19 @@ def shard_of(name: str, source, full_shape: tuple[int, ...], parallel: TensorPar
     size = full_shape[dim] // w
     return source[r * size:(r + 1) * size] if dim == 0 else source[:, r * size:(r + 1) * size]
 
+
+
+def _expert_shard(name: str, source, full_shape: tuple[int, ...], parallel: TensorParallel) -> torch.Tensor:
+    """This rank's part of a layer's stacked experts (gate_up_proj [E, 2I, hidden], down_proj
+    [E, hidden, I]): whole experts under expert parallelism, else every expert's slice of I
+    (the same slice of its gate rows and of its up rows)."""
+    w, r = parallel.world_size, parallel.rank
+    if parallel.expert_parallel:
+        n = full_shape[0] // w
+        return source[r * n:(r + 1) * n]
+    if name.endswith("gate_up_proj"):
+        inter = full_shape[1] // 2
+        n = inter // w
+        return torch.cat([source[:, r * n:(r + 1) * n], source[:, inter + r * n:inter + (r + 1) * n]], dim=1)
+    n = full_shape[2] // w
+    return source[:, :, r * n:(r + 1) * n]

@@ -36,6 +36,7 @@ from workers.kv_cache import KVCache
 from workers.loader import (
     bundled_model_path,
     cast_model,
+    expert_dtype_for,
     is_random_spec,
     load_config,
     load_model,
@@ -97,10 +98,11 @@ class ModelRunner:
             check_npu_block_size(config.block_size)  # the fused kernels refuse other sizes
         with torch.no_grad():
             self.model.prepare(self.ops, logits_rows=self.vocab_size)  # weights fused / packed once
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        if self.max_model_len > mc.max_position_embeddings:
+        self.max_model_len = config.max_model_len or mc.max_model_len
+        if self.max_model_len > mc.max_model_len:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {mc.max_position_embeddings}")
+                             f"{'scaled RoPE length' if mc.rope_scaling else 'max_position_embeddings'} "
+                             f"{mc.max_model_len}")
         graph_device, use_graphs = self._allocate_kv_cache(config, parallel)
         self.slots = SlotTable(max_num_seqs=config.max_num_seqs, num_blocks=self.num_kv_blocks,
                                block_size=config.block_size, max_model_len=self.max_model_len,
@@ -137,13 +139,15 @@ class ModelRunner:
         elif model is None:
             path = config.model or bundled_model_path()
             stored = resolve_dtype(load_config(path).torch_dtype)
-            model = load_model(path, dtype=compute_dtype(self.device, stored, requested), device=self.device,
-                               parallel=parallel)
+            dtype = compute_dtype(self.device, stored, requested)
+            model = load_model(path, dtype=dtype, device=self.device, parallel=parallel,
+                               expert_dtype=expert_dtype_for(stored, dtype))
             tokenizer_size = _tokenizer_size(path)
         self.weights_dtype = stored or model.dtype
         dtype = compute_dtype(self.device, self.weights_dtype, requested)
         if model.dtype != dtype or model.model.embed_tokens.weight.device != self.device:
-            model = cast_model(model, dtype, self.device, copy=given)  # a caller's model stays as it was
+            model = cast_model(model, dtype, self.device, copy=given,  # a caller's model stays as it was
+                               expert_dtype=expert_dtype_for(self.weights_dtype, dtype))
         if dtype != self.weights_dtype:
             log.info("%s weights compute in %s on %s", self.weights_dtype, dtype, self.device)
         return model, tokenizer_size

@@ -62,7 +62,7 @@ class RunnerConfig:
     memory_fraction: float = 0.9
     max_num_seqs: int = 64  # number of slots
     max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None -> the model's max_position_embeddings
+    max_model_len: int | None = None  # None -> the model's max_position_embeddings (scaled RoPE: its length)
     device_outputs: bool | None = None  # None -> RAYLM_DEVICE_OUTPUTS (default on)
     seed: int = 0  # for unseeded sampling
     num_threads: int | None = None  # torch.set_num_threads on the CPU when given

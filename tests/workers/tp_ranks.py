@@ -18,8 +18,9 @@ def job(runner_kw: dict, prompts, max_new: int, samplings=None, chunk=None) -> t
     return runner_kw, prompts, samplings or [None] * len(prompts), max_new, chunk
 
 
-def run_ranks(world: int, jobs: list[tuple]) -> list[tuple[list[list[int]], dict]]:
-    """For each job, rank 0's (outputs, runner stats). One rank runs in this process."""
+def run_ranks(world: int, jobs: list[tuple], expert_parallel: bool = False) -> list[tuple[list[list[int]], dict]]:
+    """For each job, rank 0's (outputs, runner stats). One rank runs in this process. MoE models
+    split their experts across the ranks with expert_parallel, else each expert's intermediate dim."""
     if world == 1:
         import torch
 
@@ -34,7 +35,7 @@ def run_ranks(world: int, jobs: list[tuple]) -> list[tuple[list[list[int]], dict
     plans = [ctx.Queue() for _ in range(world - 1)]
     out = ctx.Queue()
     port = free_port("127.0.0.1")
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, jobs, plans, out), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, jobs, plans, out, expert_parallel), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -58,14 +59,15 @@ def run_ranks(world: int, jobs: list[tuple]) -> list[tuple[list[list[int]], dict
     return results
 
 
-def _rank_main(rank, world, port, jobs, plans, out):
+def _rank_main(rank, world, port, jobs, plans, out, expert_parallel):
     import torch
 
     from workers.parallel import ParallelConfig, TensorParallel
 
     torch.set_num_threads(1)
     try:
-        parallel = TensorParallel.join(ParallelConfig(rank, world, "127.0.0.1", port, timeout_s=TIMEOUT_S), "cpu")
+        parallel = TensorParallel.join(ParallelConfig(rank, world, "127.0.0.1", port, timeout_s=TIMEOUT_S,
+                                                         expert_parallel=expert_parallel), "cpu")
         results = [_run_job(rank, parallel, plans, *j) for j in jobs]
         if rank == 0:
             out.put(("ok", results))

@@ -1,4 +1,4 @@
-"""The Qwen3 dense forward over a paged KV cache.
+"""The Qwen3 forward (dense, or MoE: workers/models/qwen3_moe.py) over a paged KV cache.
 
 Parameter names match Hugging Face checkpoints (`model.layers.0.self_attn.q_proj.weight`,
 ...), so a checkpoint's state dict loads as is. One forward takes a flat batch of tokens
@@ -8,8 +8,9 @@ runner hands to `prepare` (linear, norms, RoPE, SwiGLU, paged attention); the mo
 nothing of plans, slots, devices or Ray.
 
 Under tensor parallelism (workers/parallel.py) each module holds its rank's slice: this
-rank's heads in attention, its part of the MLP's intermediate dim, its rows of the vocab;
-o_proj and down_proj outputs are all-reduced, embed and logits do their vocab-parallel parts.
+rank's heads in attention, its part of the MLP's intermediate dim (or of each expert's, or its
+experts under expert parallelism), its rows of the vocab; o_proj, down_proj and MoE outputs are
+all-reduced, embed and logits do their vocab-parallel parts.
 """
 
 from __future__ import annotations
@@ -20,13 +21,21 @@ import torch
 from torch import nn
 
 from workers.kv_cache import KVCache
+from workers.models.qwen3_moe import Qwen3SparseMoeBlock
+from workers.models.rope import RopeConfig
 from workers.ops.base import AttentionMetadata, OpTable
 from workers.parallel import SINGLE, ShardedShape, TensorParallel
 
 
 @dataclass(frozen=True)
 class Qwen3Config:
-    """The shape of a Qwen3 dense model (the fields of its config.json that matter)."""
+    """The shape of a Qwen3 model, dense or MoE (the fields of its config.json that matter).
+
+    num_experts 0 is a dense model. Otherwise a layer's MLP is a sparse MoE block of
+    `num_experts` experts (`num_experts_per_tok` active per token, each of
+    `moe_intermediate_size`) when it is not in `mlp_only_layers` and its number + 1 is a multiple
+    of `decoder_sparse_step`, as HF's Qwen3MoeDecoderLayer decides; the other layers keep a dense
+    MLP of `intermediate_size`."""
 
     vocab_size: int = 151936
     hidden_size: int = 1024
@@ -41,6 +50,42 @@ class Qwen3Config:
     tie_word_embeddings: bool = True
     attention_bias: bool = False
     torch_dtype: str = "bfloat16"
+    num_experts: int = 0
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 768
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    rope_scaling: RopeConfig | None = None  # None: plain RoPE of rope_theta
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence the model serves: a scaled RoPE's length (YaRN: original * factor)."""
+        return self.rope_scaling.max_position_embeddings if self.rope_scaling else self.max_position_embeddings
+
+    def inv_freq(self, device) -> torch.Tensor:
+        """RoPE's inverse frequencies [head_dim / 2] in fp32 on `device`, as HF computes them."""
+        if self.rope_scaling is not None:
+            return self.rope_scaling.inv_freq(device)
+        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float, device=device) / self.head_dim
+        return 1.0 / (self.rope_theta ** exponent)
+
+    @property
+    def rope_attention_factor(self) -> float:
+        """What cos and sin are multiplied by (YaRN's attention scaling; 1 otherwise)."""
+        return self.rope_scaling.attention_factor if self.rope_scaling else 1.0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a sparse MoE block."""
+        return self.is_moe and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+    @property
+    def has_dense_layers(self) -> bool:
+        return not all(self.is_sparse(i) for i in range(self.num_hidden_layers))
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -59,6 +104,19 @@ class Qwen3Config:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta!r}")
         if not self.rms_norm_eps > 0:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        if not isinstance(self.num_experts, int) or isinstance(self.num_experts, bool) or self.num_experts < 0:
+            raise ValueError(f"num_experts must be a non-negative integer, got {self.num_experts!r}")
+        if self.is_moe:
+            for name in ("num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+                value = getattr(self, name)
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            if self.num_experts_per_tok > self.num_experts:
+                raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be at most "
+                                 f"num_experts ({self.num_experts})")
+        if not isinstance(self.mlp_only_layers, tuple) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.mlp_only_layers):
+            raise ValueError(f"mlp_only_layers must be a tuple of layer numbers, got {self.mlp_only_layers!r}")
 
 
 class RMSNorm(nn.Module):
@@ -166,10 +224,10 @@ def _adjacent(parts: list[torch.Tensor]) -> bool:
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3Config, parallel: TensorParallel = SINGLE) -> None:
+    def __init__(self, config: Qwen3Config, layer: int, parallel: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.self_attn = Qwen3Attention(config, parallel)
-        self.mlp = Qwen3MLP(config, parallel)
+        self.mlp = Qwen3SparseMoeBlock(config, parallel) if config.is_sparse(layer) else Qwen3MLP(config, parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -193,7 +251,7 @@ class Qwen3Model(nn.Module):
     def __init__(self, config: Qwen3Config, parallel: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(ShardedShape.of(config, parallel).vocab_rows, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, parallel) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, i, parallel) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -210,9 +268,7 @@ class Qwen3ForCausalLM(nn.Module):
         # on the CPU even under torch.device("meta") (the loader's empty model): a factory on meta
         # runs torch's Python reference, whose first call imports torch._dynamo (~2 s of every start);
         # reset_rotary recomputes it where the model lands
-        exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float, device="cpu") / config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** exponents)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", config.inv_freq("cpu"), persistent=False)
         self.prepared = PreparedWeights()  # set by prepare(ops)
 
     def tie_weights(self) -> None:
@@ -222,10 +278,7 @@ class Qwen3ForCausalLM(nn.Module):
 
     def reset_rotary(self) -> None:
         """Recompute inv_freq in fp32 on the model's device (after `to_empty` or a dtype cast)."""
-        c = self.config
-        device = self.model.embed_tokens.weight.device
-        exponent = torch.arange(0, c.head_dim, 2, dtype=torch.float, device=device) / c.head_dim
-        self.inv_freq = 1.0 / (c.rope_theta ** exponent)
+        self.inv_freq = self.config.inv_freq(self.model.embed_tokens.weight.device)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -275,7 +328,8 @@ class Qwen3ForCausalLM(nn.Module):
         ops = p.ops
         if self.inv_freq.dtype != torch.float32 or self.inv_freq.device != hidden.device:
             self.reset_rotary()  # a .to(dtype) cast it, or the model moved: recompute in fp32
-        cos, sin = ops.rotary_cos_sin(positions, self.inv_freq, hidden.dtype)  # [T, head_dim] each
+        cos, sin = ops.rotary_cos_sin(positions, self.inv_freq, hidden.dtype,
+                                      self.config.rope_attention_factor)  # [T, head_dim] each
         attn = ops.attention.prepare(attn)
         x, residual = hidden, None
         for i, layer in enumerate(self.model.layers):

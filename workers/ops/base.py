@@ -151,12 +151,16 @@ class OpTable:
         s = x + residual
         return self.rms_norm(s, weight, eps), s
 
-    def rotary_cos_sin(self, positions: torch.Tensor, inv_freq: torch.Tensor,
-                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, head_dim] (fp32 math, cast to dtype), once per step."""
+    def rotary_cos_sin(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+                       attention_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, head_dim] (fp32 math, scaled by attention_factor as HF's
+        YaRN does, cast to dtype), once per step."""
         freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if attention_factor != 1.0:
+            cos, sin = cos * attention_factor, sin * attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
     def apply_rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
