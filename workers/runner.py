@@ -367,6 +367,8 @@ class ModelRunner:
             "device": str(self.device),
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "weights_dtype": str(self.weights_dtype).removeprefix("torch."),
+            "weight_bytes": sum(p.nbytes for p in self.model.parameters()),  # this rank's, as held
+            "moe": self.moe_report(),
             "device_outputs": self.device_outputs,
             "weights_fingerprint": self.weights_fingerprint,
             "tensor_parallel_rank": self.parallel.rank,
@@ -381,6 +383,18 @@ class ModelRunner:
                 "sizes": list(self.graphs.sizes), "capture_s": self.graphs.report.seconds,
                 "capture_bytes": self.graphs.report.memory_bytes, "replays": self.graphs.num_replays},
         }
+
+    def moe_report(self) -> dict | None:
+        """A MoE model's experts as this rank holds them (None for a dense model)."""
+        mc, shape = self.model.config, self.model.shape
+        if not mc.is_moe:
+            return None
+        experts = next(m for name, m in self.model.named_modules() if name.endswith("mlp.experts"))
+        return {"num_experts": mc.num_experts, "top_k": mc.num_experts_per_tok,
+                "local_experts": shape.num_local_experts, "first_expert": shape.first_expert,
+                "expert_parallel": self.parallel.expert_parallel,
+                "experts_dtype": str(experts.gate_up_proj.dtype).removeprefix("torch."),
+                "sparse_layers": sum(mc.is_sparse(i) for i in range(mc.num_hidden_layers))}
 
     def cpu_thread_report(self) -> dict | None:
         """The CPU threads steps compute with, and the timings they were chosen by (if measured)."""

@@ -249,15 +249,16 @@ class RopeConfig:
         values are bit for bit those of HF's CPU init), then moved to `device` (meta works too)."""
         dim = self.head_dim
         base = self.rope_theta
-        if self.rope_type == "default":
-            inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        elif self.rope_type == "linear":
-            inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
-            inv /= self.factor
-        elif self.rope_type == "yarn":
-            inv = self._yarn_inv_freq()
-        else:
-            inv = self._llama3_inv_freq()
+        with torch.device("cpu"):  # even where the caller builds on meta (the loader's empty model)
+            if self.rope_type == "default":
+                inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            elif self.rope_type == "linear":
+                inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+                inv /= self.factor
+            elif self.rope_type == "yarn":
+                inv = self._yarn_inv_freq()
+            else:
+                inv = self._llama3_inv_freq()
         return inv.to(device=device) if device is not None else inv
 
     def _yarn_inv_freq(self) -> torch.Tensor:
