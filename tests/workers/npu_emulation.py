@@ -1,11 +1,15 @@
 """A plain-torch emulation of the torch_npu ops raylm's NPU table calls, for CPU tests.
 
 Each op follows the documented semantics of torch_npu / CANN (argument names, layouts,
-dtypes, the compressed causal mask of sparse_mode 3, TND's cumulative actual_seq_lengths)
-and refuses what the real op refuses, so layout, mask and argument mistakes in
-workers/ops/npu.py fail here instead of on an Ascend machine. It is not torch_npu: it
-knows nothing of NZ formats, quantization or the many arguments raylm never passes (a
-non-default one raises).
+dtypes, the compressed causal mask of sparse_mode 3, TND's cumulative actual_seq_lengths,
+the MoE routing's index conventions) and refuses what the real op refuses, so layout,
+mask and argument mistakes in workers/ops/npu.py fail here instead of on an Ascend
+machine. It is not torch_npu: it knows nothing of NZ formats, quantization or the many
+arguments raylm never passes (a non-default one raises).
+
+What a real op leaves undefined the emulation fills with NaN (init_routing_v2's rows past
+the pairs it kept, npu_grouped_matmul's rows past its groups), so a table that reads them
+gets a NaN answer here, not a lucky zero.
 
 ACL graph tasks are emulated too: a `_npu_paged_attention` captured inside
 graph_task_group_begin/end keeps the host arguments (context_lens) it was captured with,
@@ -25,6 +29,7 @@ import torch
 
 MASK_SIZE = 2048  # sparse_mode 2/3/4 take the causal mask compressed to 2048 x 2048
 HALF = (torch.float16, torch.bfloat16)
+FLOATS = (*HALF, torch.float32)
 
 
 class EmulationError(RuntimeError):
@@ -270,6 +275,150 @@ def build(emu: EmulatedNpu, without: tuple[str, ...] = ()) -> tuple[types.Module
     def npu_swiglu(x, dim=-1):
         a, b = x.chunk(2, dim=dim)
         return (torch.nn.functional.silu(a.float()) * b.float()).to(x.dtype)
+
+    # -- MoE: gating, routing, grouped matmul, combine (the unquantized, dropless path) --
+    @op
+    def npu_moe_gating_top_k_softmax(x, finished=None, k=1):
+        """Softmax over the last dim, then its top k (no renormalization). -> (y in x.dtype, expert_idx int32,
+        row_idx int32 with row_idx[t, j] = j * rows + t: the k-major source row numbering of the v1 routing)."""
+        name = "npu_moe_gating_top_k_softmax"
+        _need(finished is None, f"{name}: `finished` is not emulated")
+        _need(x.dim() in (2, 3), f"{name}: x must be 2-D or 3-D, got {tuple(x.shape)}")
+        _need(x.dtype in FLOATS, f"{name}: x must be float16/bfloat16/float32, got {x.dtype}")
+        _need(isinstance(k, int) and 0 < k <= min(x.shape[-1], 1024), f"{name}: k must be in (0, min(E, 1024)], "
+              f"got {k!r} for {x.shape[-1]} experts")
+        y, expert_idx = x.float().softmax(dim=-1).topk(k, dim=-1)
+        rows = x.shape[:-1].numel()
+        row_idx = torch.arange(rows * k, dtype=torch.int32).view(k, rows).t().reshape(expert_idx.shape)
+        return y.to(x.dtype), expert_idx.to(torch.int32), row_idx
+
+    @op
+    def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1,
+                                expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0, expert_tokens_num_flag=False,
+                                quant_mode=0, active_expert_range=(), row_idx_type=0):
+        """Sort the (token, choice) pairs by expert and gather their rows; only the pairs whose expert lies in
+        active_expert_range [start, end) are kept, first, in expert order (available = their number).
+        -> (expanded_x [N*K, H]: rows past `available` undefined (NaN here);
+            expanded_row_idx [N*K] int32: row_idx_type 0 (gather) = the expanded row of source pair t*K + j,
+                -1 for a pair outside the range; 1 (scatter) = the source pair of expanded row i, undefined past
+                `available`;
+            expert_token_cumsum_or_count [end - start] int64 (type 0 cumsum, 1 count) over the active experts;
+            expanded_scale [N*K] float32: undefined without a scale (NaN here))."""
+        name = "npu_moe_init_routing_v2"
+        _need(quant_mode == -1, f"{name}: only quant_mode -1 (no quantization) is emulated; the default 0 "
+              f"(static quantization) is not supported by the op, got {quant_mode!r}")
+        _need(scale is None and offset is None, f"{name}: scale/offset are not emulated")
+        _need(drop_pad_mode == 0 and expert_capacity == -1, f"{name}: only the dropless mode (drop_pad_mode 0, "
+              f"no expert_capacity) is emulated, got {drop_pad_mode!r}, {expert_capacity!r}")
+        _need(expert_tokens_num_flag is True, f"{name}: the op supports only expert_tokens_num_flag=True")
+        _need(expert_tokens_num_type in (0, 1), f"{name}: expert_tokens_num_type 0 (cumsum) / 1 (count) are "
+              f"emulated, got {expert_tokens_num_type!r}")
+        _need(row_idx_type in (0, 1), f"{name}: row_idx_type must be 0 (gather) or 1 (scatter), got {row_idx_type!r}")
+        _need(x.dim() == 2 and x.dtype in FLOATS, f"{name}: x must be a 2-D float16/bfloat16/float32 [N, H] "
+              f"tensor, got {x.dtype} {tuple(x.shape)}")
+        _need(expert_idx.dim() == 2 and expert_idx.dtype == torch.int32 and expert_idx.shape[0] == x.shape[0],
+              f"{name}: expert_idx must be int32 [N, K] with x's N, got {expert_idx.dtype} {tuple(expert_idx.shape)}")
+        n, k = expert_idx.shape
+        _need(active_num == n * k, f"{name}: active_num must be N * K = {n * k}, got {active_num!r}")
+        _need(isinstance(expert_num, int) and 0 < expert_num <= 10240,
+              f"{name}: expert_num must be in (0, 10240], got {expert_num!r}")
+        _need(len(active_expert_range) in (0, 2) and all(isinstance(v, int) for v in active_expert_range),
+              f"{name}: active_expert_range must be two ints [start, end), got {active_expert_range!r}")
+        start, end = active_expert_range or (0, expert_num)
+        _need(0 <= start < end <= expert_num,
+              f"{name}: active_expert_range must be [start, end) within [0, {expert_num}], got {active_expert_range!r}")
+        flat = expert_idx.reshape(-1).long()
+        _need(bool(((flat >= -1) & (flat < expert_num)).all()), f"{name}: expert ids must be < expert_num")
+        active = (flat >= start) & (flat < end)
+        src = torch.sort(torch.where(active, flat, expert_num), stable=True).indices[: int(active.sum())]
+        available = src.numel()
+        expanded_x = torch.full((n * k, x.shape[1]), float("nan"), dtype=x.dtype)
+        expanded_x[:available] = x[src // k]
+        if row_idx_type == 0:
+            expanded_row_idx = torch.full((n * k,), -1, dtype=torch.int32)
+            expanded_row_idx[src] = torch.arange(available, dtype=torch.int32)
+        else:
+            expanded_row_idx = torch.full((n * k,), torch.iinfo(torch.int32).min, dtype=torch.int32)
+            expanded_row_idx[:available] = src.to(torch.int32)
+        counts = torch.bincount(flat[active] - start, minlength=end - start)
+        tokens = counts if expert_tokens_num_type == 1 else counts.cumsum(0)
+        return expanded_x, expanded_row_idx, tokens.to(torch.int64), torch.full((n * k,), float("nan"))
+
+    gmm_unemulated = ("bias", "scale", "offset", "antiquant_scale", "antiquant_offset", "per_token_scale",
+                      "activation_input", "activation_quant_scale", "activation_quant_offset", "tuning_config")
+
+    @op
+    def npu_grouped_matmul(x, weight, *, group_list=None, split_item=0, group_type=None, group_list_type=0, act_type=0,
+                           output_dtype=None, **rest):
+        """y_g = x_g @ weight_g for consecutive row groups of one x over one [E, K, N] weight (the single-tensor,
+        m-axis grouped case), -> [y [M, N]]. Rows past the groups' total are not written (NaN here)."""
+        name = "npu_grouped_matmul"
+        unknown = set(rest) - set(gmm_unemulated)
+        _need(not unknown, f"{name}: unexpected arguments {sorted(unknown)}")
+        _need(all(v is None for v in rest.values()), f"{name}: unemulated arguments {sorted(rest)}")
+        _need(isinstance(x, (list, tuple)) and isinstance(weight, (list, tuple)) and len(x) == len(weight) == 1,
+              f"{name}: x and weight are lists; only one x over one 3-D weight is emulated")
+        _need(group_type == 0 and split_item in (2, 3), f"{name}: only m-axis grouping (group_type 0) into one "
+              f"output (split_item 2/3) is emulated, got group_type {group_type!r}, split_item {split_item!r}")
+        _need(act_type == 0, f"{name}: fused activations (act_type {act_type}) are not emulated")
+        (a,), (w,) = x, weight
+        _need(a.dim() == 2 and w.dim() == 3, f"{name}: x [M, K] and weight [E, K, N] expected, got "
+              f"{tuple(a.shape)} and {tuple(w.shape)}")
+        _need(a.is_contiguous(), f"{name}: x may not be transposed")
+        _need(a.dtype == w.dtype and a.dtype in FLOATS, f"{name}: x and weight must share a float16/bfloat16/float32 "
+              f"dtype, got {a.dtype} and {w.dtype}")
+        _need(output_dtype in (None, a.dtype), f"{name}: output_dtype {output_dtype} differs from x's {a.dtype}")
+        _need(a.shape[1] == w.shape[1], f"{name}: x's K {a.shape[1]} differs from the weight's {w.shape[1]} "
+              f"(the weight is [E, in, out])")
+        _need(max(w.shape[1], w.shape[2]) < 65536, f"{name}: inner dims must be < 65536")
+        groups = w.shape[0]
+        _need(isinstance(group_list, torch.Tensor) and group_list.dtype == torch.int64
+              and group_list.shape == (groups,), f"{name}: group_list must be an int64 tensor [E={groups}], got "
+              f"{getattr(group_list, 'dtype', type(group_list))} {tuple(getattr(group_list, 'shape', ()))}")
+        _need(groups <= 1024, f"{name}: at most 1024 groups, got {groups}")
+        _need(group_list_type in (0, 1), f"{name}: group_list_type 0 (cumsum) / 1 (count) are emulated, "
+              f"got {group_list_type!r}")
+        _need(bool((group_list >= 0).all()), f"{name}: group_list must be non-negative")
+        if group_list_type == 1:
+            _need(groups > 1, f"{name}: a count group_list (group_list_type 1) may not have length 1")
+            ends = group_list.cumsum(0)
+        else:
+            ends = group_list
+            _need(bool((ends[1:] >= ends[:-1]).all()), f"{name}: a cumsum group_list must be non-decreasing")
+        ends = ends.tolist()
+        _need(ends[-1] <= a.shape[0], f"{name}: the groups hold {ends[-1]} rows, x only {a.shape[0]}")
+        y = torch.full((a.shape[0], w.shape[2]), float("nan"), dtype=a.dtype)
+        start = 0
+        for g, end in enumerate(ends):
+            y[start:end] = (a[start:end].float() @ w[g].float()).to(a.dtype)
+            start = end
+        return [y]
+
+    @op
+    def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
+        """out[t] = sum_j probs[t, j] * permuted_tokens[sorted_indices[t * K + j]] (a gather: sorted_indices is
+        init_routing_v2's gather-type expanded_row_idx), fp32 sums -> [T, H] in permuted_tokens' dtype."""
+        name = "npu_moe_token_unpermute"
+        _need(not padded_mode and restore_shape is None, f"{name}: padded_mode / restore_shape are not emulated")
+        _need(permuted_tokens.dim() == 2 and permuted_tokens.dtype in FLOATS,
+              f"{name}: permuted_tokens must be 2-D float16/bfloat16/float32")
+        _need(sorted_indices.dim() == 1 and sorted_indices.dtype == torch.int32,
+              f"{name}: sorted_indices must be int32 1-D, got {sorted_indices.dtype} {tuple(sorted_indices.shape)}")
+        n = sorted_indices.numel()
+        _need(permuted_tokens.shape[0] == n, f"{name}: permuted_tokens must be [T * K = {n}, H], "
+              f"got {tuple(permuted_tokens.shape)}")
+        if probs is None:
+            probs = torch.ones(n, 1, dtype=permuted_tokens.dtype)
+        _need(probs.dim() == 2 and probs.numel() == n, f"{name}: probs must be [T, K] with T * K = {n}, "
+              f"got {tuple(probs.shape)}")
+        _need(probs.dtype == permuted_tokens.dtype, f"{name}: probs dtype {probs.dtype} differs from "
+              f"permuted_tokens' {permuted_tokens.dtype}")
+        _need(probs.shape[1] <= 512, f"{name}: top k must be <= 512, got {probs.shape[1]}")
+        _need(bool(((sorted_indices >= 0) & (sorted_indices < n)).all()),
+              f"{name}: sorted_indices must lie in [0, {n}); a -1 (a pair outside init_routing_v2's "
+              f"active_expert_range) is not skipped by the A2/A3 kernel")
+        rows = permuted_tokens.float()[sorted_indices.long()].view(*probs.shape, -1)
+        return (rows * probs.float()[..., None]).sum(dim=1).to(permuted_tokens.dtype)
 
     # -- torch.npu: streams, events, graph task groups, memory --
     class Stream:

@@ -11,6 +11,11 @@
 - Attention of a captured decode graph: `_npu_paged_attention`, one task group per layer,
   whose host context lengths are patched before each replay (`update_graph`).
 - RMSNorm `npu_rms_norm` / `npu_add_rms_norm`, RoPE `npu_rotary_mul`, SwiGLU `npu_swiglu`.
+- Fused MoE (`fused_moe`), vllm-ascend's all-gather path: `npu_moe_gating_top_k_softmax`
+  (softmax + top-k of the fp32 logits; the renormalization is ours), `npu_moe_init_routing_v2`
+  (pairs sorted by expert, only this rank's `active_expert_range`, per-expert counts),
+  `npu_grouped_matmul` twice around `npu_swiglu` over the experts laid out [E, in, out] once
+  in `prepare_moe`, and `npu_moe_token_unpermute` (the weighted sum back to token order).
 
 torch_npu is imported when the table is built (get_op_table for an "npu" device), never at
 module import: importing it without the CANN toolkit breaks `import torch`. Tested on the CPU through an emulation of
@@ -24,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workers.block_sizes import check_npu_block_size
-from workers.ops.base import AttentionBackend, AttentionMetadata, OpTable
+from workers.ops.base import AttentionBackend, AttentionMetadata, MoEWeights, OpTable
 
 MASK_SIZE = 2048  # sparse_mode 3 reads the causal mask compressed to this square
 NPU_DTYPES = (torch.float16, torch.bfloat16)
@@ -42,6 +47,27 @@ def check_npu_dtype(dtype: torch.dtype) -> torch.dtype:
         raise ValueError(f"dtype must be float16 or bfloat16 on the NPU (its attention kernels take no other), "
                          f"got {str(dtype).removeprefix('torch.')}")
     return dtype
+
+
+@dataclass
+class NpuMoEWeights(MoEWeights):
+    """One layer's experts as the NPU table computes with them: `gate_up` [num_local, hidden, 2I]
+    and `down` [num_local, I, hidden], the [E, in, out] layout of npu_grouped_matmul, made once
+    by prepare_moe (w13 / w2, the model's own parameters, become transposed views of them).
+
+    Expert parallelism (this rank holds experts [first_expert, first_expert + num_local) of
+    num_experts) is init_routing_v2's `active_expert_range`, as in vllm-ascend: the routing keeps
+    only the (token, choice) pairs of this rank's experts, sorted first, and counts tokens per
+    local expert, so the grouped matmuls compute nothing for experts held elsewhere. Its gather
+    index marks a dropped pair -1, which npu_moe_token_unpermute does not skip (vllm-ascend's
+    A2/A3 path reads row |-1| = 1 under a zeroed weight, which is NaN where that row holds
+    garbage, and past the end when there is one pair). Here the rows past the kept pairs are
+    zeroed and every dropped pair reads the last row, which is past them whenever a pair was
+    dropped, so it adds exactly zero. Without expert parallelism every pair is kept and neither
+    step runs."""
+
+    gate_up: torch.Tensor | None = None
+    down: torch.Tensor | None = None
 
 
 @dataclass
@@ -197,3 +223,53 @@ class NpuOpTable(OpTable):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return torch_npu().npu_swiglu(x, dim=-1)
+
+    # -- mixture of experts --
+    def prepare_moe(self, w13, w2, first_expert, num_experts) -> NpuMoEWeights:
+        """The grouped matmul computes x_g @ weight_g with weight [E, in, out]: our [E, out, in]
+        experts are laid out so once here, as vllm-ascend does at load. The model's parameters become
+        transposed views of the new layout, so the experts are held once (a second call copies nothing)."""
+        if w13.dtype not in NPU_DTYPES or w2.dtype != w13.dtype:
+            raise ValueError(f"MoE experts must be float16 or bfloat16 on the NPU (the table computes half "
+                             f"precision only), got {w13.dtype} and {w2.dtype}")
+        gate_up = w13.detach().transpose(1, 2).contiguous()  # [E, hidden, 2I]
+        down = w2.detach().transpose(1, 2).contiguous()  # [E, I, hidden]
+        w13.data, w2.data = gate_up.transpose(1, 2), down.transpose(1, 2)  # the same shapes, one storage each
+        return NpuMoEWeights(w13, w2, first_expert, num_experts, gate_up=gate_up, down=down)
+
+    def fused_moe(self, x, router_logits, experts: MoEWeights, top_k, renormalize):
+        """Route, permute, two grouped matmuls around SwiGLU, unpermute; see `NpuMoEWeights` for
+        how the pairs routed to experts held elsewhere (expert parallelism) add nothing."""
+        check_npu_dtype(x.dtype)
+        if not isinstance(experts, NpuMoEWeights):
+            raise TypeError("fused_moe takes the handle NpuOpTable.prepare_moe returned")
+        if experts.gate_up.dtype != x.dtype:
+            raise ValueError(f"MoE experts are {experts.gate_up.dtype} but the activations {x.dtype}: "
+                             f"the grouped matmul takes one dtype")
+        t = x.shape[0]
+        if t == 0:
+            return torch.empty_like(x)
+        npu = torch_npu()
+        # softmax and top-k of the fp32 logits, as route_tokens; the op leaves the top-k unnormalized
+        weights, ids, _ = npu.npu_moe_gating_top_k_softmax(router_logits.float(), k=top_k)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(router_logits.dtype).to(x.dtype)  # [T, k], rounded as route_tokens rounds
+        first, num_local = experts.first_expert, experts.num_local
+        pairs = t * top_k
+        rows, src_to_row, counts, _ = npu.npu_moe_init_routing_v2(
+            x, ids, active_num=pairs, expert_num=experts.num_experts, expert_tokens_num_type=1,
+            expert_tokens_num_flag=True, quant_mode=-1, active_expert_range=[first, first + num_local],
+            row_idx_type=0)  # rows [pairs, H]: this rank's pairs first, by expert; counts [num_local]
+        counts = counts.to(torch.int64)  # group_list is int64 (the routing's count is already; vllm-ascend casts too)
+        # a count group_list may not have length 1; one expert's cumsum is the same number
+        group_list_type = 1 if num_local > 1 else 0
+        gmm = dict(group_list=counts, group_list_type=group_list_type, group_type=0, split_item=2)
+        h = npu.npu_grouped_matmul(x=[rows], weight=[experts.gate_up], **gmm)[0]  # [pairs, 2I]
+        h = npu.npu_swiglu(h, dim=-1)
+        h = npu.npu_grouped_matmul(x=[h], weight=[experts.down], **gmm)[0]  # [pairs, H]
+        if num_local < experts.num_experts:  # expert parallelism: some pairs were not kept
+            kept = torch.arange(pairs, device=x.device) < counts.sum()
+            h = torch.where(kept[:, None], h, 0)  # the rows past the kept pairs are undefined: zero them
+            src_to_row = torch.where(src_to_row < 0, pairs - 1, src_to_row)  # and read a dropped pair from one
+        return npu.npu_moe_token_unpermute(permuted_tokens=h, sorted_indices=src_to_row, probs=weights)
