@@ -46,6 +46,9 @@ def _engine_args(p: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGrou
     t.add_argument("--replicas", type=int, default=1, help="data-parallel replicas")
     t.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="devices (worker actors) per replica, the model split across them")
+    t.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: each of a replica's devices holds whole experts (num_experts / "
+                        "tensor_parallel_size of them) instead of a slice of every expert")
     r.add_argument("--max-request-failures", type=int, default=None,
                    help="fail a request that was on the worker at this many worker failures in a row (default 2)")
     r.add_argument("--grammar-compile-timeout-s", type=float, default=None,
@@ -74,7 +77,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
               num_kv_blocks=a.num_kv_blocks, max_model_len=a.max_model_len, threads_per_worker=a.threads_per_worker,
               prefill_threads_per_worker=a.prefill_threads_per_worker,
               accelerator_resource=a.accelerator_resource, enforce_eager=a.enforce_eager, graph_sizes=a.graph_sizes,
-              tensor_parallel_size=a.tensor_parallel_size)
+              tensor_parallel_size=a.tensor_parallel_size, enable_expert_parallel=a.enable_expert_parallel)
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "generation_config",
                  "step_channel", "trust_request_chat_template", "max_request_failures", "grammar_compile_timeout_s",
                  "max_grammar_bytes"):  # unset (or not a flag of this command): the default

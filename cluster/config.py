@@ -60,7 +60,9 @@ class EngineConfig:
     `device_outputs` None reads RAYLM_DEVICE_OUTPUTS (unset or 1: sample on the
     worker; 0: return full logits and sample on the driver, for A/B benchmarks).
     `tensor_parallel_size` ranks (one worker actor per device) make up each replica;
-    `num_replicas` such groups serve in data parallel.
+    `num_replicas` such groups serve in data parallel. A MoE model's experts are split across the
+    ranks whole with `enable_expert_parallel` (vLLM's --enable-expert-parallel), else each
+    expert's intermediate dim is.
     `accelerator_resource` overrides the Ray resource each worker asks one of
     (default: "NPU" for npu, "GPU" for cuda, none for cpu); tests set "NPU" with device
     "cpu" to exercise NPU placement on a machine without NPUs. `block_size` None: 128 on
@@ -120,6 +122,7 @@ class EngineConfig:
     # ---- parallelism ----
     num_replicas: int = 1
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE under TP: whole experts per rank, not a slice of each
     # ---- reliability: timeouts, healing, hostile input ----
     step_timeout_s: float = 120.0
     max_worker_restarts: int = 3
@@ -158,6 +161,7 @@ class EngineConfig:
         if self.block_size is None:
             self.block_size = default_block_size(self.device)
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        check_bool("enable_expert_parallel", self.enable_expert_parallel)
         check_int("block_size", self.block_size, 1)
         if self.device == "npu":
             check_npu_block_size(self.block_size)

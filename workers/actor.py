@@ -66,6 +66,8 @@ class WorkerActor:
             "node_id": ray.get_runtime_context().get_node_id(),
             "hostname": socket.gethostname(),
             "tensor_parallel_rank": self.parallel.rank,
+            "moe": self.runner.moe_report(),  # None for a dense model
+            "weight_bytes": self.runner.stats()["weight_bytes"],
             "structured_output": xgrammar_installed(),
             "structured_output_ready": self.runner.grammars.cache is not None,  # prepared at start
             "cpu_threads": self.runner.cpu_thread_report(),  # chosen by measurement unless the user set them

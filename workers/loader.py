@@ -325,7 +325,8 @@ def shard_model(full: Qwen3ForCausalLM, parallel: TensorParallel) -> Qwen3ForCau
     if not parallel.enabled:
         return full
     device = full.model.embed_tokens.weight.device
-    model = empty_model(full.config, full.dtype, device, parallel)
+    experts = [p.dtype for n, p in full.named_parameters() if ".experts." in n]
+    model = empty_model(full.config, full.dtype, device, parallel, experts[0] if experts else None)
     for name, param in model.named_parameters():
         whole = full.get_parameter(name)
         param.copy_(shard_of(name, whole, tuple(whole.shape), parallel, full.config.vocab_size))
@@ -416,7 +417,12 @@ def random_qwen3(*, dtype=torch.bfloat16, layers: int | None = None, seed: int =
 
 
 RANDOM_PREFIX = "random:"
-RANDOM_SHAPES = {"qwen3-0.6b": {}}  # Qwen3Config's defaults are Qwen3-0.6B's shape
+RANDOM_SHAPES = {
+    "qwen3-0.6b": {},  # Qwen3Config's defaults are Qwen3-0.6B's shape
+    "qwen3-30b-a3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, tie_word_embeddings=False,
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
+}
 
 
 @dataclass(frozen=True)

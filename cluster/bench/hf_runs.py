@@ -16,19 +16,27 @@ HF_MODES = ("cb", "generate", "generate_batch")
 
 
 def hf_model(model):
-    """HF transformers' Qwen3ForCausalLM on the very same weight tensors as our `model`."""
+    """HF transformers' Qwen3ForCausalLM (Qwen3MoeForCausalLM for a MoE model) on the very same
+    weight tensors as our `model` (a scaled RoPE is not carried over)."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     c = model.config
-    config = Qwen3Config(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-                         num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                         max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
-                         rms_norm_eps=c.rms_norm_eps, attention_bias=c.attention_bias,
-                         rope_parameters={"rope_theta": c.rope_theta, "rope_type": "default"})
+    shape = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                 num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                 num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                 max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
+                 rms_norm_eps=c.rms_norm_eps, attention_bias=c.attention_bias,
+                 rope_parameters={"rope_theta": c.rope_theta, "rope_type": "default"})
+    if c.is_moe:
+        config = Qwen3MoeConfig(**shape, num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+                                moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=c.norm_topk_prob,
+                                decoder_sparse_step=c.decoder_sparse_step, mlp_only_layers=list(c.mlp_only_layers))
+        cls = Qwen3MoeForCausalLM
+    else:
+        config, cls = Qwen3Config(**shape), Qwen3ForCausalLM
     with torch.device("meta"):
-        hf = Qwen3ForCausalLM(config)
+        hf = cls(config)
     state = dict(model.state_dict())
     if c.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]

@@ -91,10 +91,10 @@ class LocalEngine:
         self.model_path = cfg.model or bundled_model_path()
         tp = cfg.tensor_parallel_size
         if is_random_spec(self.model_path):  # random weights, no tokenizer: token-id prompts only
-            check_shardable(random_spec_config(parse_random_spec(self.model_path)), tp)
+            check_shardable(random_spec_config(parse_random_spec(self.model_path)), tp, cfg.enable_expert_parallel)
             self.tokenizer, self.eos_token_ids = None, frozenset()
         else:
-            check_shardable(load_config(self.model_path), tp)  # before any actor starts
+            check_shardable(load_config(self.model_path), tp, cfg.enable_expert_parallel)  # before any actor starts
             self.tokenizer = load_tokenizer(self.model_path)
             self.eos_token_ids = frozenset(eos_token_ids(self.model_path))
             if cfg.generation_config == "auto":

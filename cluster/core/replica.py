@@ -158,8 +158,8 @@ class Replica:
         if tp > 1:  # rank 0 hosts the rendezvous; the group's collectives time out after the driver's checks
             address, port = ray.get(workers[0].rendezvous.remote(), timeout=cfg.start_timeout_s)
             timeout = max(cfg.step_timeout_s, cfg.start_timeout_s)
-            parallel = [dict(rank=r, world_size=tp, master_addr=address, master_port=port, timeout_s=timeout)
-                        for r in range(tp)]
+            parallel = [dict(rank=r, world_size=tp, master_addr=address, master_port=port, timeout_s=timeout,
+                             expert_parallel=cfg.enable_expert_parallel) for r in range(tp)]
         self.workers = workers  # set before start: a failed start is killed by _kill_worker
         config = dataclasses.asdict(self._runner_config)  # a plain dict crosses to the actor
         infos = ray.get([w.start.remote(config, p) for w, p in zip(workers, parallel)], timeout=cfg.start_timeout_s)

@@ -9,6 +9,8 @@ engine tests.
   shards (model.safetensors.index.json).
 - "stacked": top2's weights under the stacked expert layout (`mlp.experts.gate_up_proj` /
   `down_proj`) instead of Qwen's per-expert names.
+- "engine": 8 experts, top-2, the tokenizer's whole vocab (2048), so text prompts and grammars
+  work through the engine.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ SHAPES = {
                         num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2, head_dim=8,
                         num_experts=6, num_experts_per_tok=3, norm_topk_prob=False, decoder_sparse_step=2,
                         mlp_only_layers=[3], tie_word_embeddings=False),
+    "engine": dict(vocab_size=2048, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                   num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False),
 }
 
 
