@@ -16,6 +16,10 @@ Norms, RoPE and SwiGLU ("elementwise"): raylm's fused C++ kernels (workers/ops/c
 add + RMSNorm, q/k RMSNorm + RoPE, silu * up, each one pass) for fp32 tensors where the kernels
 built ("fused-cpp"); else the reference's eager ops ("eager"). RAYLM_CPU_ELEMENTWISE=eager|fused
 overrides ("fused" fails loudly where the kernels cannot be built).
+
+MoE experts: workers/ops/cpu_moe.py (raylm's kernel reading bf16 / fp16 experts at their own width,
+aten's GEMM per expert, or torch._grouped_mm, whichever measures fastest here per dtype and batch
+size); RAYLM_CPU_MOE overrides.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch.nn.functional as F
 from workers.ops import cpu_kernels
 from workers.ops.cpu_attention import PagedAttention, make_cpu_attention
 from workers.ops.cpu_features import cpu_class, has_mkl_packed_linear, has_onednn_packed_linear
+from workers.ops.cpu_moe import CPUMoE
 from workers.ops.reference import GatherSDPAAttention, ReferenceOps
 
 LINEAR_PATHS = ("aten", "mkl-packed", "onednn-packed")
@@ -83,11 +88,13 @@ class CPUOps(ReferenceOps):
         self.attention = make_cpu_attention()
         self.linear_paths: set[str] = set()  # the paths prepared weights took (a model may mix dtypes)
         self.fused = fused_elementwise_kernels()
+        self.moe = CPUMoE()
 
     def describe(self) -> dict:
         kernels = "built" if cpu_kernels.load() is not None else f"not built: {cpu_kernels.failure()}"
         return {**super().describe(), "cpu": cpu_class(), "linear": ",".join(sorted(self.linear_paths)) or None,
-                "elementwise": "fused-cpp" if self.fused is not None else "eager", "kernels": kernels}
+                "elementwise": "fused-cpp" if self.fused is not None else "eager", "moe": self.moe.describe(),
+                "kernels": kernels}
 
     def _fusable(self, *tensors) -> bool:
         """The fused kernels compute fp32 on the CPU; anything else runs the reference's ops."""
@@ -148,3 +155,9 @@ class CPUOps(ReferenceOps):
         if isinstance(handle, (MKLPackedWeight, OneDNNPackedWeight)):
             return out.copy_(self.linear(x, handle)[:, : out.shape[1]])
         return super().linear_into(x, handle, out)
+
+    def prepare_moe(self, w13, w2, first_expert, num_experts):
+        return self.moe.prepare(w13, w2, first_expert, num_experts)
+
+    def fused_moe(self, x, router_logits, experts, top_k, renormalize):
+        return self.moe.forward(x, router_logits, experts, top_k, renormalize)

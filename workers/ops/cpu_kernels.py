@@ -9,8 +9,8 @@ there); a different CPU or torch builds its own. Concurrent builders wait on tor
 lock in the build directory.
 
 `load()` returns the module, or None when it cannot be built here (no compiler, no headers):
-the CPU table then keeps the gather + SDPA path and eager elementwise ops, the CPU sampler its
-torch draw, and stats() says so.
+the CPU table then keeps the gather + SDPA path, eager elementwise ops and torch's grouped GEMM
+for MoE experts, the CPU sampler its torch draw, and stats() says so.
 `python -m workers.ops.cpu_kernels` builds it ahead of time (make venv does) and prints where.
 """
 
@@ -29,8 +29,8 @@ import torch
 from workers.ops.cpu_features import cpu_flags
 
 _CSRC = Path(__file__).with_name("csrc")
-SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "elementwise.cpp", _CSRC / "sampling.cpp")
-HEADERS = (_CSRC / "vec_math.h",)
+SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "elementwise.cpp", _CSRC / "sampling.cpp", _CSRC / "fused_moe.cpp")
+HEADERS = (_CSRC / "vec_math.h", _CSRC / "moe_gemv.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math")  # no FP traps: branch-free math vectorizes
 ENV_CACHE = "RAYLM_KERNEL_CACHE"
 

@@ -12,6 +12,11 @@
 - Without FlashInfer, or in float32 (FlashInfer takes float16 / bfloat16), attention
   falls back to the reference's gather + SDPA; decode graphs need FlashInfer.
 - Elementwise ops and GEMMs are the reference's (plain torch: cuBLAS on a GPU).
+- MoE experts: two torch._grouped_mm calls over all of a layer's experts
+  (workers/ops/moe_grouped.py: no loop over experts, no host sync for weights in x's dtype;
+  narrower weights widened per call, the hit experts only, as the reference does); the
+  reference's expert loop where torch._grouped_mm cannot take the layer (its rows must be
+  multiples of 16 bytes).
 
 flashinfer is imported on first use. Tested on the CPU through an emulation of the two
 wrappers (tests/workers/flashinfer_emulation.py); never run on a CUDA device yet.
@@ -23,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.ops.base import AttentionBackend, AttentionMetadata
+from workers.ops.base import AttentionBackend, AttentionMetadata, MoEWeights
+from workers.ops.moe_grouped import grouped_mm_fits, grouped_mm_moe
 from workers.ops.reference import GatherSDPAAttention, ReferenceOps
 
 WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommended float workspace
@@ -154,9 +160,16 @@ class CudaAttentionBackend(AttentionBackend):
 
 
 class CudaOpTable(ReferenceOps):
-    """The reference's elementwise ops and GEMMs (cuBLAS already), FlashInfer's attention."""
+    """The reference's elementwise ops and GEMMs (cuBLAS already), FlashInfer's attention, grouped-GEMM
+    MoE."""
 
     name = "cuda"
 
     def __init__(self) -> None:
         self.attention = CudaAttentionBackend()
+
+    def fused_moe(self, x: torch.Tensor, router_logits: torch.Tensor, experts: MoEWeights, top_k: int,
+                  renormalize: bool) -> torch.Tensor:
+        if grouped_mm_fits(x, experts):
+            return grouped_mm_moe(x, router_logits, experts, top_k, renormalize)
+        return super().fused_moe(x, router_logits, experts, top_k, renormalize)

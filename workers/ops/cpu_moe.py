@@ -1,0 +1,152 @@
+"""The CPU table's fused MoE (Qwen3-MoE experts), the path chosen by measurement.
+
+Every path routes with `route_tokens`, groups the (token, expert) pairs by expert, runs gate/up,
+silu * up and down per expert and sums each token's weighted outputs; none loops over experts in
+Python:
+- "cpp": raylm's kernel (csrc/fused_moe.cpp): register-blocked dot products over the weights where
+  they lie, bf16 / fp16 experts read at their own width and widened in registers, fp32 math;
+- "aten-mm": the same kernel's routing with aten's GEMM per hit expert (oneDNN, with AMX for bf16
+  where the CPU has it; MKL for fp32), in x's dtype;
+- "grouped-mm": torch._grouped_mm (workers/ops/moe_grouped.py), in x's dtype;
+- "reference": the reference table's expert loop (forced only).
+
+The fastest depends on the CPU (AMX or not), the dtypes and the tokens per step: decode reads every
+hit expert's weights once and is bound by memory, a large batch is bound by arithmetic, where a GEMM
+library's bf16 tiles win. So the first call of each (x dtype, weight dtype, tokens bucket, layer
+shape) times the candidates on that call's own input (at most MEASURE_TOKENS of its tokens, a warm
+run, and more of them where runs are quick) and the process keeps the winner. Only paths that read narrower
+weights at their own width compete for them: "aten-mm" and "grouped-mm" would widen a copy.
+RAYLM_CPU_MOE=cpp|aten-mm|grouped-mm|reference forces one ("cpp" / "aten-mm" fail loudly where the
+kernels cannot be built). Without the kernels the table runs "grouped-mm" (widening the hit
+experts where the weights are narrower), or the reference where torch._grouped_mm cannot take the
+layer's sizes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from workers.ops import cpu_kernels
+from workers.ops.base import MoEWeights, route_tokens
+from workers.ops.moe_grouped import grouped_mm_fits, grouped_mm_moe
+from workers.ops.reference import ReferenceOps
+
+PATHS = ("cpp", "aten-mm", "grouped-mm", "reference")
+ENV = "RAYLM_CPU_MOE"
+BUCKETS = (1, 8, 64, 256)  # token counts up to each edge share one measurement; above the last, one more
+MEASURE_TOKENS = 512  # a larger batch is measured on its first MEASURE_TOKENS tokens
+_QUICK_S, _SLOW_S = 0.01, 0.05  # a warm run under QUICK is timed best of 3 more, over SLOW stands alone
+
+log = logging.getLogger(__name__)
+_chosen: dict[tuple, str] = {}  # per process: (dtypes, bucket, shape, threads) -> the measured winner
+_reference = ReferenceOps()
+
+
+def bucket(tokens: int) -> str:
+    """The label of the token-count bucket `tokens` falls in: 'T<=1', 'T<=8', ..., 'T>256'."""
+    for edge in BUCKETS:
+        if tokens <= edge:
+            return f"T<={edge}"
+    return f"T>{BUCKETS[-1]}"
+
+
+def forced_path() -> str | None:
+    path = os.environ.get(ENV)
+    if path is not None and path not in PATHS:
+        raise ValueError(f"{ENV} must be one of {', '.join(PATHS)}, got {path!r}")
+    return path
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class CPUMoE:
+    """One table's MoE: prepares layers' experts, runs the chosen path, remembers what ran."""
+
+    def __init__(self) -> None:
+        self.kernels = cpu_kernels.load()
+        self.ran: dict[str, str] = {}  # "x/w T<=n" -> the path that ran
+
+    def describe(self) -> str | None:
+        """Which path ran per dtypes and tokens bucket, e.g. 'float32/bfloat16 T<=1: cpp', or None."""
+        return ", ".join(f"{k}: {v}" for k, v in sorted(self.ran.items())) or None
+
+    def prepare(self, w13: torch.Tensor, w2: torch.Tensor, first_expert: int, num_experts: int) -> MoEWeights:
+        """The experts as they are (contiguous, in their own dtype: never a widened copy)."""
+        return MoEWeights(w13.contiguous(), w2.contiguous(), first_expert, num_experts)
+
+    def candidates(self, x: torch.Tensor, experts: MoEWeights) -> list[str]:
+        """The paths that may serve this layer's dtypes here, fastest-first when untimed."""
+        same = experts.w13.dtype == x.dtype
+        paths = ["cpp"] if self.kernels is not None else []
+        if self.kernels is not None and same:
+            paths.append("aten-mm")
+        if same and grouped_mm_fits(x, experts):
+            paths.append("grouped-mm")
+        if not paths:  # no kernels: torch's grouped GEMM over widened hit experts, else the loop
+            paths.append("grouped-mm" if grouped_mm_fits(x, experts) else "reference")
+        return paths
+
+    def run(self, path: str, x: torch.Tensor, router_logits: torch.Tensor, experts: MoEWeights, top_k: int,
+            renormalize: bool) -> torch.Tensor:
+        """fused_moe through `path`."""
+        if path in ("cpp", "aten-mm"):
+            if self.kernels is None:
+                raise RuntimeError(f"the MoE path {path!r} needs raylm's CPU kernels, which could not be built: "
+                                   f"{cpu_kernels.failure()}")
+            weights, ids = route_tokens(router_logits, top_k, renormalize)
+            out = torch.empty_like(x)
+            op = self.kernels.fused_moe if path == "cpp" else self.kernels.fused_moe_mm
+            op(out, x.contiguous(), experts.w13.contiguous(), experts.w2.contiguous(), ids, weights,
+               experts.first_expert)
+            return out
+        if path == "grouped-mm":
+            if not grouped_mm_fits(x, experts):
+                raise ValueError(f"torch._grouped_mm cannot take {x.dtype} rows of hidden {x.shape[-1]} / "
+                                 f"intermediate {experts.intermediate_size} (each a multiple of 16 bytes)")
+            return grouped_mm_moe(x, router_logits, experts, top_k, renormalize)
+        return _reference.fused_moe(x, router_logits, experts, top_k, renormalize)
+
+    def choose(self, x: torch.Tensor, router_logits: torch.Tensor, experts: MoEWeights, top_k: int,
+               renormalize: bool) -> str:
+        """The forced path, else the process's measured winner for this case (measured now if new)."""
+        forced = forced_path()
+        if forced is not None:
+            return forced
+        paths = self.candidates(x, experts)
+        if len(paths) == 1:
+            return paths[0]
+        key = (x.dtype, experts.w13.dtype, bucket(x.shape[0]), experts.num_local, x.shape[-1],
+               experts.intermediate_size, top_k, torch.get_num_threads())
+        if key not in _chosen:
+            n = min(x.shape[0], MEASURE_TOKENS)
+            times = {p: self._time(p, x[:n], router_logits[:n], experts, top_k, renormalize) for p in paths}
+            _chosen[key] = min(times, key=times.get)
+            log.info("CPU MoE %s/%s %s: %s (%s)", _dtype_name(key[0]), _dtype_name(key[1]), key[2], _chosen[key],
+                     ", ".join(f"{p} {t * 1e3:.2f} ms" for p, t in times.items()))
+        return _chosen[key]
+
+    def _time(self, path, x, router_logits, experts, top_k, renormalize) -> float:
+        """Seconds one call of `path` takes: the best of a warm run (first-call setup) and a few more
+        where one is quick (a slow one's setup is a small part of it)."""
+        t0 = time.perf_counter()
+        self.run(path, x, router_logits, experts, top_k, renormalize)
+        best = time.perf_counter() - t0
+        for _ in range(3 if best < _QUICK_S else 0 if best > _SLOW_S else 1):
+            t0 = time.perf_counter()
+            self.run(path, x, router_logits, experts, top_k, renormalize)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, experts: MoEWeights, top_k: int,
+                renormalize: bool) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return torch.zeros_like(x)
+        path = self.choose(x, router_logits, experts, top_k, renormalize)
+        self.ran[f"{_dtype_name(x.dtype)}/{_dtype_name(experts.w13.dtype)} {bucket(x.shape[0])}"] = path
+        return self.run(path, x, router_logits, experts, top_k, renormalize)

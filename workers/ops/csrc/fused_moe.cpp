@@ -1,0 +1,271 @@
+// Fused MoE experts for the CPU op table (Qwen3-MoE): after routing, every (token, expert) pair this
+// rank holds runs gate/up, silu(gate) * up and down, and the pairs' weighted outputs are summed per
+// token, in one call with no per-expert dispatch from Python.
+//
+// MoE decode on a CPU reads each hit expert's weights once and does little arithmetic per byte, so
+// the weights are read where they lie, in their own dtype (fp32, bf16 or fp16), and widened to fp32
+// in registers: bf16 experts cost half the bytes of fp32 ones and give fp32 math's result
+// (bf16 -> fp32 is exact). Activations of any dtype are computed on in fp32 and the output rounded
+// once, at the end.
+//
+// Pairs are grouped by expert with a counting sort (each expert's tokens in token order). Two
+// parallel phases, their work handed out one item at a time to torch's threads:
+// 1. gate/up: an item is (expert, tile of intermediate rows): the tile's gate and up rows against
+//    the expert's tokens, then silu(gate) * up into the pairs' fp32 activations [pairs, I];
+// 2. down: an item is a tile of hidden (output) columns, over every hit expert in ascending order,
+//    accumulating weight * down(act) into the tokens' fp32 sums for those columns: the item owns
+//    them, so no two threads write one output and each token's sum has one fixed order.
+// The dot products are moe_gemv.h's register-blocked micro-kernel.
+//
+// `fused_moe_mm` is the same op with aten's GEMM per hit expert (oneDNN / MKL, AMX for bf16 where
+// the CPU has it) in the activations' dtype, for batches large enough that GEMM kernels pay off.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/silu.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "moe_gemv.h"
+#include "vec_math.h"
+
+namespace {
+
+using raylm::moe::gemv_rows;
+using raylm::moe::kIsa;
+using raylm::moe::RB;
+
+constexpr int64_t kTokenChunk = 64;  // tokens one pass over a weight tile serves (bounds the scratch)
+constexpr int64_t kGateTile = 16;    // intermediate rows per gate/up item (x2: its gate and its up rows)
+
+// fn(item) for item in [0, n), handed to torch's threads one at a time (items differ in cost)
+template <typename F>
+void for_each_item(int64_t n, F&& fn) {
+  if (n <= 0) return;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
+  });
+}
+
+// The (token, expert) pairs this rank holds, grouped by expert, each expert's in token order.
+struct Routing {
+  std::vector<int64_t> offsets;  // [E + 1]: expert e's pairs are [offsets[e], offsets[e + 1])
+  std::vector<int64_t> token;    // [pairs]
+  std::vector<float> weight;     // [pairs]
+  std::vector<int64_t> hit;      // the experts with pairs, ascending
+
+  Routing(const at::Tensor& ids, const at::Tensor& weights, int64_t first_expert, int64_t num_local) {
+    const at::Tensor id = ids.contiguous();
+    const at::Tensor wt = weights.to(at::kFloat).contiguous();
+    const int64_t* ip = id.data_ptr<int64_t>();
+    const float* wp = wt.data_ptr<float>();
+    const int64_t pairs = id.numel(), k = id.size(1);
+    offsets.assign(num_local + 1, 0);
+    for (int64_t i = 0; i < pairs; ++i) {
+      const int64_t e = ip[i] - first_expert;
+      if (e >= 0 && e < num_local) ++offsets[e + 1];
+    }
+    for (int64_t e = 0; e < num_local; ++e) {
+      if (offsets[e + 1]) hit.push_back(e);
+      offsets[e + 1] += offsets[e];
+    }
+    token.resize(offsets[num_local]);
+    weight.resize(offsets[num_local]);
+    std::vector<int64_t> cursor(offsets.begin(), offsets.end() - 1);
+    for (int64_t i = 0; i < pairs; ++i) {
+      const int64_t e = ip[i] - first_expert;
+      if (e < 0 || e >= num_local) continue;
+      token[cursor[e]] = i / k;
+      weight[cursor[e]++] = wp[i];
+    }
+  }
+  int64_t pairs() const { return offsets.back(); }
+};
+
+void check_args(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+                const at::Tensor& ids, const at::Tensor& weights) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, hidden]");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(),
+              "out must be contiguous, shaped and typed like x");
+  TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.is_contiguous() && w2.is_contiguous(),
+              "w13 [E, 2I, hidden] and w2 [E, hidden, I] must be contiguous");
+  TORCH_CHECK(w13.scalar_type() == w2.scalar_type(), "w13 and w2 must share a dtype");
+  const int64_t inter = w2.size(2);
+  TORCH_CHECK(w13.size(0) == w2.size(0) && w13.size(1) == 2 * inter && w13.size(2) == x.size(1) &&
+                  w2.size(1) == x.size(1),
+              "w13 must be [E, 2I, hidden] and w2 [E, hidden, I]");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 2 && ids.size(0) == x.size(0) &&
+                  weights.sizes() == ids.sizes(),
+              "topk_ids must be int64 [T, k] and topk_weights [T, k]");
+}
+
+// -- phase 1 and 2 of the register-blocked path, for one weight dtype ---------------------------------
+template <typename W>
+void moe_blocked(const Routing& rt, const float* xf, const W* w13, const W* w2, int64_t hidden, int64_t inter,
+                 float* act, int64_t T, const std::function<void(int64_t, int64_t, const float*, int64_t)>& store) {
+  const int64_t tiles = (inter + kGateTile - 1) / kGateTile;
+  const int64_t hit = static_cast<int64_t>(rt.hit.size());
+  // phase 1: act[p, i] = silu(gate_i . x_p) * (up_i . x_p), item = (hit expert, intermediate tile)
+  for_each_item(hit * tiles, [&](int64_t item) {
+    thread_local std::vector<float> scratch;
+    thread_local std::vector<const float*> rows;
+    scratch.resize(2 * kTokenChunk * kGateTile);
+    rows.resize(kTokenChunk);
+    float* g = scratch.data();
+    float* u = g + kTokenChunk * kGateTile;
+    const int64_t e = rt.hit[item / tiles], i0 = (item % tiles) * kGateTile;
+    const int64_t ni = std::min(kGateTile, inter - i0);
+    const W* gate = w13 + (e * 2 * inter + i0) * hidden;
+    const W* up = gate + inter * hidden;
+    for (int64_t p0 = rt.offsets[e]; p0 < rt.offsets[e + 1]; p0 += kTokenChunk) {
+      const int64_t m = std::min(kTokenChunk, rt.offsets[e + 1] - p0);
+      for (int64_t n = 0; n < m; ++n) rows[n] = xf + rt.token[p0 + n] * hidden;
+      gemv_rows(gate, ni, hidden, rows.data(), m, g, kGateTile, up);
+      gemv_rows(up, ni, hidden, rows.data(), m, u, kGateTile, static_cast<const W*>(nullptr));
+      for (int64_t n = 0; n < m; ++n) {
+        float* a = act + (p0 + n) * inter + i0;
+        const float* gn = g + n * kGateTile;
+        const float* un = u + n * kGateTile;
+#pragma omp simd
+        for (int64_t i = 0; i < ni; ++i) a[i] = gn[i] / (1.f + raylm::fast_exp(-gn[i])) * un[i];
+      }
+    }
+  });
+  // phase 2: item = a tile of output columns, owned: sum over hit experts of weight * (w2 rows . act)
+  const int64_t threads = at::get_num_threads();
+  int64_t cols = 64;
+  while (cols > RB && hidden / cols < 4 * threads) cols /= 2;
+  const int64_t col_tiles = (hidden + cols - 1) / cols;
+  for_each_item(col_tiles, [&](int64_t item) {
+    thread_local std::vector<float> sums, y;
+    thread_local std::vector<const float*> rows;
+    sums.assign(T * cols, 0.f);
+    y.resize(kTokenChunk * cols);
+    rows.resize(kTokenChunk);
+    const int64_t h0 = item * cols, nh = std::min(cols, hidden - h0);
+    for (size_t j = 0; j < rt.hit.size(); ++j) {
+      const int64_t e = rt.hit[j];
+      const W* down = w2 + (e * hidden + h0) * inter;
+      const W* next = j + 1 < rt.hit.size() ? w2 + (rt.hit[j + 1] * hidden + h0) * inter : nullptr;
+      for (int64_t p0 = rt.offsets[e]; p0 < rt.offsets[e + 1]; p0 += kTokenChunk) {
+        const int64_t m = std::min(kTokenChunk, rt.offsets[e + 1] - p0);
+        for (int64_t n = 0; n < m; ++n) rows[n] = act + (p0 + n) * inter;
+        gemv_rows(down, nh, inter, rows.data(), m, y.data(), cols, p0 + m < rt.offsets[e + 1] ? down : next);
+        for (int64_t n = 0; n < m; ++n) {
+          float* s = sums.data() + rt.token[p0 + n] * cols;
+          const float* yn = y.data() + n * cols;
+          const float wt = rt.weight[p0 + n];
+#pragma omp simd
+          for (int64_t h = 0; h < nh; ++h) s[h] += wt * yn[h];
+        }
+      }
+    }
+    store(h0, nh, sums.data(), cols);
+  });
+}
+
+// writes fp32 sums [T, n] (row stride ld) into columns [h0, h0 + n) of out
+template <typename T>
+void store_cols(T* out, int64_t tokens, int64_t hidden, int64_t h0, int64_t n, const float* sums, int64_t ld) {
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < n; ++h) out[t * hidden + h0 + h] = static_cast<T>(sums[t * ld + h]);
+}
+
+// the weights' dtype W; x is widened to fp32 once (a no-op for fp32)
+template <typename W>
+void run_blocked(const Routing& rt, const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+                 at::Tensor& out) {
+  const int64_t T = x.size(0), hidden = x.size(1), inter = w2.size(2);
+  const at::Tensor xs = x.to(at::kFloat).contiguous();
+  at::Tensor act = at::empty({std::max<int64_t>(rt.pairs(), 1), inter}, xs.options());
+  std::function<void(int64_t, int64_t, const float*, int64_t)> store;
+  if (out.scalar_type() == at::kFloat)
+    store = [&](int64_t h0, int64_t n, const float* s, int64_t ld) {
+      store_cols(out.data_ptr<float>(), T, hidden, h0, n, s, ld);
+    };
+  else if (out.scalar_type() == at::kBFloat16)
+    store = [&](int64_t h0, int64_t n, const float* s, int64_t ld) {
+      store_cols(out.data_ptr<c10::BFloat16>(), T, hidden, h0, n, s, ld);
+    };
+  else
+    store = [&](int64_t h0, int64_t n, const float* s, int64_t ld) {
+      store_cols(out.data_ptr<c10::Half>(), T, hidden, h0, n, s, ld);
+    };
+  moe_blocked(rt, xs.data_ptr<float>(), w13.data_ptr<W>(), w2.data_ptr<W>(), hidden, inter, act.data_ptr<float>(),
+              T, store);
+}
+
+void fused_moe(at::Tensor out, at::Tensor x, at::Tensor w13, at::Tensor w2, at::Tensor topk_ids,
+               at::Tensor topk_weights, int64_t first_expert) {
+  check_args(out, x, w13, w2, topk_ids, topk_weights);
+  const auto xt = x.scalar_type(), wt = w13.scalar_type();
+  TORCH_CHECK(xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf,
+              "x must be float32, bfloat16 or float16, got ", xt);
+  const Routing rt(topk_ids, topk_weights, first_expert, w13.size(0));
+  if (x.size(0) == 0) return;
+  if (wt == at::kFloat) return run_blocked<float>(rt, x, w13, w2, out);
+  if (wt == at::kHalf) return run_blocked<c10::Half>(rt, x, w13, w2, out);
+  TORCH_CHECK(wt == at::kBFloat16, "expert weights must be float32, bfloat16 or float16, got ", wt);
+  run_blocked<c10::BFloat16>(rt, x, w13, w2, out);
+}
+
+// The same op with aten's GEMM per hit expert, in x's dtype (HF's per-expert order of rounding):
+// pairs gathered by expert, gate/up and down as two GEMMs per expert into slices of one buffer,
+// silu * up over all pairs at once, the weighted rows added into their tokens. Weights narrower
+// than x are widened one expert at a time, as the reference does.
+void fused_moe_mm(at::Tensor out, at::Tensor x, at::Tensor w13, at::Tensor w2, at::Tensor topk_ids,
+                  at::Tensor topk_weights, int64_t first_expert) {
+  check_args(out, x, w13, w2, topk_ids, topk_weights);
+  const Routing rt(topk_ids, topk_weights, first_expert, w13.size(0));
+  out.zero_();
+  const int64_t pairs = rt.pairs(), inter = w2.size(2);
+  if (pairs == 0) return;
+  const auto index = at::empty({pairs}, topk_ids.options());
+  std::copy(rt.token.begin(), rt.token.end(), index.data_ptr<int64_t>());
+  const at::Tensor xs = x.index_select(0, index);
+  at::Tensor h = at::empty({pairs, 2 * inter}, x.options());
+  at::Tensor y = at::empty({pairs, x.size(1)}, x.options());
+  const bool widen = w13.scalar_type() != x.scalar_type();
+  for (const int64_t e : rt.hit) {
+    const int64_t p0 = rt.offsets[e], n = rt.offsets[e + 1] - p0;
+    const at::Tensor w = widen ? w13[e].to(x.scalar_type()) : w13[e];
+    at::Tensor rows = h.narrow(0, p0, n);
+    at::mm_out(rows, xs.narrow(0, p0, n), w.t());
+  }
+  const at::Tensor a = at::silu(h.narrow(1, 0, inter)).mul_(h.narrow(1, inter, inter));
+  for (const int64_t e : rt.hit) {
+    const int64_t p0 = rt.offsets[e], n = rt.offsets[e + 1] - p0;
+    const at::Tensor w = widen ? w2[e].to(x.scalar_type()) : w2[e];
+    at::Tensor rows = y.narrow(0, p0, n);
+    at::mm_out(rows, a.narrow(0, p0, n), w.t());
+  }
+  auto wt = at::empty({pairs, 1}, topk_weights.options().dtype(at::kFloat));
+  std::copy(rt.weight.begin(), rt.weight.end(), wt.data_ptr<float>());
+  out.index_add_(0, index, y.mul_(wt.to(x.scalar_type())));
+}
+
+std::string fused_moe_isa() { return kIsa; }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(raylm, m) {
+  m.def("fused_moe(Tensor(a!) out, Tensor x, Tensor w13, Tensor w2, Tensor topk_ids, Tensor topk_weights, "
+        "int first_expert) -> ()");
+  m.def("fused_moe_mm(Tensor(a!) out, Tensor x, Tensor w13, Tensor w2, Tensor topk_ids, Tensor topk_weights, "
+        "int first_expert) -> ()");
+  m.def("fused_moe_isa() -> str", &fused_moe_isa);
+}
+
+TORCH_LIBRARY_IMPL(raylm, CPU, m) {
+  m.impl("fused_moe", &fused_moe);
+  m.impl("fused_moe_mm", &fused_moe_mm);
+}
