@@ -136,9 +136,9 @@ def test_the_cpu_table_measures_its_candidates_once_per_case_and_keeps_the_faste
     want = ["cpp", "aten-mm", "grouped-mm"] if HAVE_KERNELS else ["grouped-mm"]
     assert [p for p, _ in timed] == (want if len(want) > 1 else [])  # measured once, on the first call
     assert ops.describe()["moe"] == f"float32/float32 T<=8: {'aten-mm' if HAVE_KERNELS else 'grouped-mm'}"
-    big = make_moe_case(seed=5, tokens=600)  # measured on its first MEASURE_TOKENS tokens
+    big = make_moe_case(seed=5, tokens=cpu_moe.MEASURE_TOKENS + 88)  # measured on its first MEASURE_TOKENS tokens
     ops.fused_moe(big.x, big.router_logits, big.weights(), 2, True)
-    assert all(n == cpu_moe.MEASURE_TOKENS for _, n in timed[len(want):]) and "T>256" in ops.describe()["moe"]
+    assert all(n == cpu_moe.MEASURE_TOKENS for _, n in timed[len(want):]) and "T>1024" in ops.describe()["moe"]
     narrow = make_moe_case(seed=6, tokens=5, weight_dtype=torch.bfloat16)  # only the kernel reads bf16 as is
     assert ops.moe.candidates(narrow.x, narrow.weights()) == (["cpp"] if HAVE_KERNELS else ["grouped-mm"])
 
@@ -172,5 +172,5 @@ def test_an_unknown_or_unfit_forced_moe_path_is_refused(monkeypatch):
 
 
 def test_token_buckets():
-    assert [cpu_moe.bucket(t) for t in (1, 2, 8, 9, 64, 256, 257)] == \
-        ["T<=1", "T<=8", "T<=8", "T<=64", "T<=64", "T<=256", "T>256"]
+    assert [cpu_moe.bucket(t) for t in (1, 2, 8, 9, 64, 256, 257, 1024, 1025)] == \
+        ["T<=1", "T<=8", "T<=8", "T<=64", "T<=64", "T<=256", "T<=1024", "T<=1024", "T>1024"]

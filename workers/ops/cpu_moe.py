@@ -37,9 +37,11 @@ from workers.ops.reference import ReferenceOps
 
 PATHS = ("cpp", "aten-mm", "grouped-mm", "reference")
 ENV = "RAYLM_CPU_MOE"
-BUCKETS = (1, 8, 64, 256)  # token counts up to each edge share one measurement; above the last, one more
-MEASURE_TOKENS = 512  # a larger batch is measured on its first MEASURE_TOKENS tokens
-_QUICK_S, _SLOW_S = 0.01, 0.05  # a warm run under QUICK is timed best of 3 more, over SLOW stands alone
+BUCKETS = (1, 8, 64, 256, 1024)  # token counts up to each edge share one measurement; above the last, one more
+# a larger batch is measured on its first MEASURE_TOKENS tokens: a prefill step's size (max_num_batched_tokens'
+# default), since which GEMM path wins still changes between 512 and 2048 tokens
+MEASURE_TOKENS = 2048
+_QUICK_S = 0.01  # a warm run under QUICK is timed best of 3 more, a slower one best of 1 more
 
 log = logging.getLogger(__name__)
 _chosen: dict[tuple, str] = {}  # per process: (dtypes, bucket, shape, threads) -> the measured winner
@@ -47,7 +49,7 @@ _reference = ReferenceOps()
 
 
 def bucket(tokens: int) -> str:
-    """The label of the token-count bucket `tokens` falls in: 'T<=1', 'T<=8', ..., 'T>256'."""
+    """The label of the token-count bucket `tokens` falls in: 'T<=1', 'T<=8', ..., 'T>1024'."""
     for edge in BUCKETS:
         if tokens <= edge:
             return f"T<={edge}"
@@ -137,7 +139,7 @@ class CPUMoE:
         t0 = time.perf_counter()
         self.run(path, x, router_logits, experts, top_k, renormalize)
         best = time.perf_counter() - t0
-        for _ in range(3 if best < _QUICK_S else 0 if best > _SLOW_S else 1):
+        for _ in range(3 if best < _QUICK_S else 1):  # the first run pays page faults and packing: never alone
             t0 = time.perf_counter()
             self.run(path, x, router_logits, experts, top_k, renormalize)
             best = min(best, time.perf_counter() - t0)
