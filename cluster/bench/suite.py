@@ -16,7 +16,7 @@ from cluster.bench.contenders import EngineSpec, run_bare, run_raylm, run_serve
 from cluster.bench.figures import agreement
 from cluster.bench.hf_runs import HF_RUNNERS, hf_model
 from cluster.bench.report import write_json
-from cluster.bench.workload import Workload, kv_blocks_for, make_workload
+from cluster.bench.workload import Workload, blocks_needed, kv_blocks_for, make_workload
 
 log = logging.getLogger("raylm.bench")
 
@@ -157,6 +157,16 @@ class Bench:
         fig.update(launch_s=peer.launch_s, vllm_version=peer.version, compute_dtype=peer.dtype)
         return fig, outs
 
+    def peer_kv_gib(self, dtype: str) -> int:
+        """vLLM's KV cache space (GiB): the workload's every request at once, twice over, 1 to 4 GiB (a
+        fixed 4 GiB beside a big MoE model's weights ran this machine out of memory)."""
+        from workers.loader import load_config
+
+        c = load_config(self.model_spec)
+        per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * (4 if dtype == "float32" else 2)
+        need = 2 * per_token * blocks_needed(self.wl.prompts, self.wl.output_lens, 1)
+        return max(1, min(4, -(-need // 2**30)))
+
     def peer(self, run: Run):
         """The vLLM engine of this run's batch size, started on first use and kept for all rounds."""
         from cluster.bench.vllm_peer import VLLMPeer, peer_dtype
@@ -165,9 +175,11 @@ class Bench:
         peer = self.peers.get(run.spec.batch_size)
         if peer is None:
             log_path = os.path.join(os.path.dirname(a.json or "") or ".", "vllm-peer.log")
-            peer = VLLMPeer(self.model_spec, dtype=peer_dtype(a.vllm_dtype), max_num_seqs=run.spec.batch_size,
+            dtype = peer_dtype(a.vllm_dtype)
+            peer = VLLMPeer(self.model_spec, dtype=dtype, max_num_seqs=run.spec.batch_size,
                             max_num_batched_tokens=a.max_num_batched_tokens, block_size=None,
-                            threads=run.spec.threads, venv=a.peers_venv, log_path=log_path)
+                            threads=run.spec.threads, kv_space_gib=self.peer_kv_gib(dtype), venv=a.peers_venv,
+                            log_path=log_path)
             log.info("vLLM %s (%s) up in %.1fs; its log: %s", peer.version, peer.dtype, peer.launch_s, log_path)
             self.peers[run.spec.batch_size] = peer
         return peer

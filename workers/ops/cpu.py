@@ -13,9 +13,12 @@ RAYLM_CPU_LINEAR=aten|mkl-packed|onednn-packed overrides the choice; mkl-packed 
 the op is absent.
 
 Norms, RoPE and SwiGLU ("elementwise"): raylm's fused C++ kernels (workers/ops/csrc/elementwise.cpp:
-add + RMSNorm, q/k RMSNorm + RoPE, silu * up, each one pass) for fp32 tensors where the kernels
-built ("fused-cpp"); else the reference's eager ops ("eager"). RAYLM_CPU_ELEMENTWISE=eager|fused
-overrides ("fused" fails loudly where the kernels cannot be built).
+add + RMSNorm, q/k RMSNorm + RoPE, silu * up, each one pass) for fp32, bf16 and fp16 tensors
+(bf16 / fp16 read at their width, computed in fp32 and rounded back where HF's eager bf16 ops
+round, so they agree with the reference to within one ulp; half-precision silu * up stays torch's,
+measured faster than the kernel) where the kernels built ("fused-cpp");
+else the reference's eager ops ("eager"). RAYLM_CPU_ELEMENTWISE=eager|fused overrides ("fused"
+fails loudly where the kernels cannot be built).
 
 MoE experts: workers/ops/cpu_moe.py (raylm's kernel reading bf16 / fp16 experts at their own width,
 aten's GEMM per expert, or torch._grouped_mm, whichever measures fastest here per dtype and batch
@@ -97,8 +100,12 @@ class CPUOps(ReferenceOps):
                 "kernels": kernels}
 
     def _fusable(self, *tensors) -> bool:
-        """The fused kernels compute fp32 on the CPU; anything else runs the reference's ops."""
-        return self.fused is not None and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+        """The fused kernels take CPU tensors all of one dtype, fp32, bf16 or fp16 (computed in fp32,
+        rounded where HF's eager ops round); anything else (e.g. fp32 weights on bf16 activations,
+        whose product torch promotes) runs the reference's ops."""
+        dtype = tensors[0].dtype
+        return self.fused is not None and dtype in (torch.float32, torch.bfloat16, torch.float16) \
+            and all(t.dtype == dtype and t.device.type == "cpu" for t in tensors)
 
     def rms_norm(self, x, weight, eps):
         if not self._fusable(x, weight) or x.stride(-1) != 1 \
@@ -124,7 +131,8 @@ class CPUOps(ReferenceOps):
         return q_out, k_out
 
     def silu_and_mul(self, x):
-        if not self._fusable(x) or x.dim() != 2 or x.stride(1) != 1:
+        # half precision: torch's own op measured faster than the fused kernel (exp and divide bound)
+        if not self._fusable(x) or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
             return super().silu_and_mul(x)
         out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
         self.fused.silu_and_mul(out, x)
