@@ -36,6 +36,7 @@ from workers.ops import cpu_kernels
 from workers.ops.cpu_attention import PagedAttention, make_cpu_attention
 from workers.ops.cpu_features import cpu_class, has_mkl_packed_linear, has_onednn_packed_linear
 from workers.ops.cpu_moe import CPUMoE
+from workers.ops.cpu_narrow import NarrowWeight, bf16_copy, crossover, forced_rows, narrow_linear
 from workers.ops.reference import GatherSDPAAttention, ReferenceOps
 
 LINEAR_PATHS = ("aten", "mkl-packed", "onednn-packed")
@@ -144,12 +145,34 @@ class CPUOps(ReferenceOps):
         path = linear_path(weight.dtype)
         self.linear_paths.add(path)
         if path == "mkl-packed":
-            return MKLPackedWeight(weight, bias)
-        if path == "onednn-packed":
-            return OneDNNPackedWeight(weight, bias)
-        return (weight.contiguous(), bias)
+            handle = MKLPackedWeight(weight, bias)
+        elif path == "onednn-packed":
+            handle = OneDNNPackedWeight(weight, bias)
+        else:
+            handle = (weight.contiguous(), bias)
+        return self._maybe_narrow(handle, weight, bias)
+
+    def _maybe_narrow(self, handle, weight, bias):
+        """A big fp32 weight of bf16 values also kept in bf16 for small batches, where that measures
+        faster (workers/ops/cpu_narrow.py)."""
+        kernels = cpu_kernels.load()
+        rows = forced_rows()
+        if kernels is None or rows == 0:
+            return handle
+        narrow = bf16_copy(weight)
+        if narrow is None:
+            return handle
+        rows = crossover(kernels, self.linear, handle, narrow) if rows is None else rows
+        if rows == 0:
+            return handle
+        self.linear_paths.add(f"narrow-bf16(<={rows} rows)")
+        return NarrowWeight(handle, narrow, bias, rows)
 
     def linear(self, x, handle):
+        if isinstance(handle, NarrowWeight):
+            if handle.takes(x):
+                return narrow_linear(cpu_kernels.load(), x, handle)
+            handle = handle.wide
         if isinstance(handle, MKLPackedWeight):
             x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
             y = torch.ops.mkl._mkl_linear(x2.contiguous(), handle.packed, handle.weight, handle.bias, _MKL_BATCH)
@@ -160,6 +183,10 @@ class CPUOps(ReferenceOps):
         return F.linear(x, weight, bias)
 
     def linear_into(self, x, handle, out):
+        if isinstance(handle, NarrowWeight):
+            if handle.takes(x) and out.dtype == torch.float32 and out.stride(1) == 1:
+                return narrow_linear(cpu_kernels.load(), x, handle, out)
+            handle = handle.wide
         if isinstance(handle, (MKLPackedWeight, OneDNNPackedWeight)):
             return out.copy_(self.linear(x, handle)[:, : out.shape[1]])
         return super().linear_into(x, handle, out)

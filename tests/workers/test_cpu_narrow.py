@@ -1,0 +1,52 @@
+"""The CPU table's narrow linear: a big fp32 weight of bf16 values also kept in bf16 gives the fp32
+linear's results for small batches, and is used only where it qualifies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.ops import cpu_kernels, cpu_narrow, get_op_table
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="raylm's CPU kernels did not build here")
+
+
+@pytest.fixture
+def small_weights_qualify(monkeypatch):
+    monkeypatch.setattr(cpu_narrow, "NARROW_MIN_ELEMENTS", 1)
+    monkeypatch.setenv(cpu_narrow.ENV, "16")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_batches_read_the_bf16_copy_and_equal_the_fp32_linear(small_weights_qualify, bias):
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(301, 72, generator=gen).bfloat16().float()  # every value a bf16 value
+    b = torch.randn(301, generator=gen) if bias else None
+    ops = get_op_table("cpu", "cpu")
+    handle = ops.prepare_linear(weight, b)
+    assert isinstance(handle, cpu_narrow.NarrowWeight) and handle.narrow.dtype == torch.bfloat16
+    assert "narrow-bf16(<=16 rows)" in ops.describe()["linear"]
+    for rows in (0, 1, 5, 16, 17, 40):  # up to 16 the bf16 copy, beyond it the fp32 path
+        x = torch.randn(rows, 72, generator=gen)
+        want = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        torch.testing.assert_close(ops.linear(x, handle).double(), want, atol=1e-5, rtol=1e-5)
+        out = torch.full((rows, 320), 7.0)
+        ops.linear_into(x, handle, out[:, :250])  # the first 250 vocab rows, into a wider buffer
+        torch.testing.assert_close(out[:, :250].double(), want[:, :250], atol=1e-5, rtol=1e-5)
+        assert (out[:, 250:] == 7.0).all()
+
+
+def test_only_big_fp32_weights_of_bf16_values_qualify(small_weights_qualify, monkeypatch):
+    ops = get_op_table("cpu", "cpu")
+    not_bf16 = torch.randn(64, 32) + 1e-3  # values bf16 cannot hold: no copy (it would change results)
+    assert not isinstance(ops.prepare_linear(not_bf16), cpu_narrow.NarrowWeight)
+    assert not isinstance(ops.prepare_linear(not_bf16.bfloat16()), cpu_narrow.NarrowWeight)  # bf16 already
+    monkeypatch.setenv(cpu_narrow.ENV, "off")
+    assert not isinstance(ops.prepare_linear(not_bf16.bfloat16().float()), cpu_narrow.NarrowWeight)
+    monkeypatch.setenv(cpu_narrow.ENV, "some")
+    with pytest.raises(ValueError, match="RAYLM_CPU_NARROW_LINEAR must be 'off' or a number of rows, got 'some'"):
+        ops.prepare_linear(not_bf16.bfloat16().float())
+    monkeypatch.delenv(cpu_narrow.ENV)
+    monkeypatch.setattr(cpu_narrow, "NARROW_MIN_ELEMENTS", 1 << 25)
+    assert not isinstance(ops.prepare_linear(not_bf16.bfloat16().float()), cpu_narrow.NarrowWeight)  # too small
