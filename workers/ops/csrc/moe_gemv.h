@@ -36,7 +36,7 @@ inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
 constexpr const char* kIsa = "avx512";
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int64_t VL = 8;
-constexpr int RB = 4, NB = 2;  // 8 accumulators + 4 weight vectors + 1 token vector of 16 registers
+constexpr int RB = 2, NB = 6;  // 12 accumulators + 2 weight vectors + 1 token vector of 16 registers
 using vf = __m256;
 inline vf vzero() { return _mm256_setzero_ps(); }
 inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
