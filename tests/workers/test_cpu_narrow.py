@@ -1,5 +1,6 @@
-"""The CPU table's narrow linear: a big fp32 weight of bf16 values also kept in bf16 gives the fp32
-linear's results for small batches, and is used only where it qualifies."""
+"""The CPU table's narrow linear: a big fp32 weight of bf16 values kept in bf16 gives the fp32
+linear's results, alone or for small batches beside the wide GEMM, and is used only where it
+qualifies."""
 
 from __future__ import annotations
 
@@ -45,8 +46,39 @@ def test_only_big_fp32_weights_of_bf16_values_qualify(small_weights_qualify, mon
     monkeypatch.setenv(cpu_narrow.ENV, "off")
     assert not isinstance(ops.prepare_linear(not_bf16.bfloat16().float()), cpu_narrow.NarrowWeight)
     monkeypatch.setenv(cpu_narrow.ENV, "some")
-    with pytest.raises(ValueError, match="RAYLM_CPU_NARROW_LINEAR must be 'off' or a number of rows, got 'some'"):
+    with pytest.raises(ValueError, match="RAYLM_CPU_NARROW_LINEAR must be 'off', 'all' or a number of rows, "
+                                         "got 'some'"):
         ops.prepare_linear(not_bf16.bfloat16().float())
     monkeypatch.delenv(cpu_narrow.ENV)
     monkeypatch.setattr(cpu_narrow, "NARROW_MIN_ELEMENTS", 1 << 25)
     assert not isinstance(ops.prepare_linear(not_bf16.bfloat16().float()), cpu_narrow.NarrowWeight)  # too small
+
+
+def test_a_weight_kept_narrow_only_serves_every_batch_size_and_shape(small_weights_qualify, monkeypatch):
+    monkeypatch.setenv(cpu_narrow.ENV, "all")
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(37, 300, generator=gen).bfloat16().float()  # rows not a whole panel; long rows
+    ops = get_op_table("cpu", "cpu")
+    handle = ops.prepare_linear(weight)
+    assert isinstance(handle, cpu_narrow.NarrowWeight) and handle.wide is None  # no fp32 copy kept
+    assert "narrow-bf16" in ops.describe()["linear"].split(",")
+    for rows in (1, 7, 300):  # past a token block (rows of x beyond what stays in L2)
+        x = torch.randn(rows, 300, generator=gen)
+        want = F.linear(x.double(), weight.double())
+        torch.testing.assert_close(ops.linear(x, handle).double(), want, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(ops.linear(x.view(1, rows, 300), handle).double(), want[None], atol=1e-4,
+                                   rtol=1e-5)
+        out = torch.zeros(rows, 40, dtype=torch.float64)  # not fp32: computed, then copied
+        ops.linear_into(x, handle, out[:, :30])
+        torch.testing.assert_close(out[:, :30], want[:, :30], atol=1e-4, rtol=1e-5)
+
+
+def test_the_measured_choice_is_made_once_per_shape(small_weights_qualify, monkeypatch):
+    monkeypatch.delenv(cpu_narrow.ENV)
+    ops = get_op_table("cpu", "cpu")
+    first = ops.prepare_linear(torch.randn(64, 256).bfloat16().float())
+    rows = first.max_rows if isinstance(first, cpu_narrow.NarrowWeight) else 0
+    assert rows in (cpu_narrow.ALL, 0, *cpu_narrow.PROBE_ROWS)
+    monkeypatch.setattr("workers.ops.cpu.choose_rows", lambda *a: pytest.fail("measured the same shape twice"))
+    again = ops.prepare_linear(torch.randn(64, 256).bfloat16().float())
+    assert (again.max_rows if isinstance(again, cpu_narrow.NarrowWeight) else 0) == rows

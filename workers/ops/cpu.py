@@ -36,7 +36,7 @@ from workers.ops import cpu_kernels
 from workers.ops.cpu_attention import PagedAttention, make_cpu_attention
 from workers.ops.cpu_features import cpu_class, has_mkl_packed_linear, has_onednn_packed_linear
 from workers.ops.cpu_moe import CPUMoE
-from workers.ops.cpu_narrow import NarrowWeight, bf16_copy, crossover, forced_rows, narrow_linear
+from workers.ops.cpu_narrow import ALL, NarrowWeight, bf16_copy, choose_rows, forced_rows, narrow_linear
 from workers.ops.reference import GatherSDPAAttention, ReferenceOps
 
 LINEAR_PATHS = ("aten", "mkl-packed", "onednn-packed")
@@ -93,6 +93,7 @@ class CPUOps(ReferenceOps):
         self.linear_paths: set[str] = set()  # the paths prepared weights took (a model may mix dtypes)
         self.fused = fused_elementwise_kernels()
         self.moe = CPUMoE()
+        self.narrow_rows: dict[tuple[int, int], int] = {}  # per weight shape: what choose_rows measured
 
     def describe(self) -> dict:
         kernels = "built" if cpu_kernels.load() is not None else f"not built: {cpu_kernels.failure()}"
@@ -142,31 +143,43 @@ class CPUOps(ReferenceOps):
     def prepare_linear(self, weight, bias=None):
         if weight.dtype != torch.float32 and isinstance(self.attention, PagedAttention):
             self.attention = GatherSDPAAttention()  # the kernel computes in fp32 only
+        narrow = self._narrow_copy(weight)
+        rows = None if narrow is None else forced_rows()
+        if rows is None and narrow is not None:
+            rows = self.narrow_rows.get(tuple(weight.shape))  # a shape measured already
+        if rows == ALL:  # the bf16 copy alone: no wide one is made
+            return self._narrow(None, narrow, weight, bias, ALL)
+        handle = self._wide(weight, bias)
+        if narrow is None:
+            return handle
+        if rows is None:
+            rows = choose_rows(cpu_kernels.load(), self.linear, handle, narrow, weight.shape[0])
+            self.narrow_rows[tuple(weight.shape)] = rows
+        if rows == 0:
+            return handle
+        return self._narrow(None if rows == ALL else handle, narrow, weight, bias, rows)
+
+    def _wide(self, weight, bias):
+        """weight prepared for the library GEMM of its dtype on this CPU."""
         path = linear_path(weight.dtype)
         self.linear_paths.add(path)
         if path == "mkl-packed":
-            handle = MKLPackedWeight(weight, bias)
-        elif path == "onednn-packed":
-            handle = OneDNNPackedWeight(weight, bias)
-        else:
-            handle = (weight.contiguous(), bias)
-        return self._maybe_narrow(handle, weight, bias)
+            return MKLPackedWeight(weight, bias)
+        if path == "onednn-packed":
+            return OneDNNPackedWeight(weight, bias)
+        return (weight.contiguous(), bias)
 
-    def _maybe_narrow(self, handle, weight, bias):
-        """A big fp32 weight of bf16 values also kept in bf16 for small batches, where that measures
-        faster (workers/ops/cpu_narrow.py)."""
+    def _narrow_copy(self, weight):
+        """A bf16 copy of an fp32 weight of bf16 values, packed for raylm's narrow linear
+        (workers/ops/cpu_narrow.py), where the kernels built and it qualifies; else None."""
         kernels = cpu_kernels.load()
-        rows = forced_rows()
-        if kernels is None or rows == 0:
-            return handle
-        narrow = bf16_copy(weight)
-        if narrow is None:
-            return handle
-        rows = crossover(kernels, self.linear, handle, narrow) if rows is None else rows
-        if rows == 0:
-            return handle
-        self.linear_paths.add(f"narrow-bf16(<={rows} rows)")
-        return NarrowWeight(handle, narrow, bias, rows)
+        if kernels is None or forced_rows() == 0:
+            return None
+        return bf16_copy(kernels, weight)
+
+    def _narrow(self, wide, narrow, weight, bias, rows):
+        self.linear_paths.add("narrow-bf16" if rows == ALL else f"narrow-bf16(<={rows} rows)")
+        return NarrowWeight(wide, narrow, weight.shape[0], bias, rows)
 
     def linear(self, x, handle):
         if isinstance(handle, NarrowWeight):
@@ -184,8 +197,10 @@ class CPUOps(ReferenceOps):
 
     def linear_into(self, x, handle, out):
         if isinstance(handle, NarrowWeight):
-            if handle.takes(x) and out.dtype == torch.float32 and out.stride(1) == 1:
+            if handle.takes(x) and x.dim() == 2 and out.dtype == torch.float32 and out.stride(1) == 1:
                 return narrow_linear(cpu_kernels.load(), x, handle, out)
+            if handle.wide is None:
+                return out.copy_(self.linear(x, handle)[:, : out.shape[1]])
             handle = handle.wide
         if isinstance(handle, (MKLPackedWeight, OneDNNPackedWeight)):
             return out.copy_(self.linear(x, handle)[:, : out.shape[1]])

@@ -1,14 +1,22 @@
-"""Big fp32 weights that a bf16 checkpoint widened at load, also kept in bf16 for small batches.
+"""fp32 weights that a bf16 checkpoint widened at load, read at bf16's width.
 
-A bf16 checkpoint computes in fp32 on a CPU without fast bf16 matmuls. Its lm_head (151,936 rows)
-is the largest weight a decode step reads, and at a few rows a step the fp32 GEMM is bound by
-reading it. Its values are bf16 values, so a bf16 copy read by raylm's narrow linear
-(csrc/narrow_linear.cpp: widened in registers, fp32 arithmetic) gives the same products from half
-the bytes. Past some number of rows the GEMM becomes bound by arithmetic and the packed fp32 path
-wins again; that crossover is measured once per weight when it is prepared, on this CPU.
+A bf16 checkpoint computes in fp32 on a CPU without fast bf16 matmuls. Its weights' values are bf16
+values, so a bf16 copy read by raylm's narrow linear (csrc/narrow_linear.cpp: packed in panels,
+widened in registers, fp32 arithmetic) gives fp32's products from half the bytes: at decode sizes,
+bound by reading the weight, it is faster; at prefill sizes it runs about as fast as the library's
+fp32 GEMM. Which it is on this CPU is measured once per weight shape when the weights are prepared,
+at a few batch sizes up to a prefill chunk's (fewer for the lm_head, whose every probe is long):
+
+- narrow only, where the bf16 copy is never slower than the wide GEMM by more than TOLERANCE at
+  any probe: the wide copy is not kept (a model's fp32 weight may then be released: half the
+  bytes resident);
+- both, up to a crossover, where the wide GEMM wins big batches clearly: the bf16 copy for batches
+  of up to the largest probe where it measured faster, the wide one past it;
+- wide only, where the bf16 copy never measured faster.
 
 Only weights of at least NARROW_MIN_ELEMENTS elements whose every value is a bf16 value qualify.
-RAYLM_CPU_NARROW_LINEAR=off turns it off; =N forces the bf16 path for batches of up to N rows.
+RAYLM_CPU_NARROW_LINEAR=off turns it off; =all keeps the bf16 copy only; =N uses it for batches of
+up to N rows, the wide GEMM beyond.
 """
 
 from __future__ import annotations
@@ -19,64 +27,83 @@ import time
 import torch
 
 ENV = "RAYLM_CPU_NARROW_LINEAR"
-NARROW_MIN_ELEMENTS = 1 << 25  # the lm_head / embeddings of real models, not their layers' projections
-PROBE_ROWS = (1, 8, 16, 32, 64)  # batch sizes the crossover is measured at (decode-sized)
+NARROW_MIN_ELEMENTS = 1 << 20  # a layer's projections of real models (the router, 128 rows, is not)
+PROBE_ROWS = (1, 16, 64, 256)  # batch sizes probed: decode to a prefill chunk's
+PROBE_MAX_MACS = 1 << 33  # a probe past one this long is skipped (the lm_head's beyond 16 rows)
+TOLERANCE = 1.1  # how much slower than the wide GEMM the bf16 copy may be and still serve alone
+ALL = -1  # max_rows of a weight kept narrow only
 
 
 class NarrowWeight:
-    """A prepared linear: the wide handle, and a bf16 copy used for batches of up to max_rows rows."""
+    """A prepared linear: a bf16 copy (packed by the kernel), used for batches of up to max_rows
+    rows, and the wide handle for larger ones (None: narrow only, every batch)."""
 
-    def __init__(self, wide, narrow: torch.Tensor, bias: torch.Tensor | None, max_rows: int) -> None:
+    def __init__(self, wide, narrow: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+                 max_rows: int) -> None:
         self.wide, self.narrow, self.bias, self.max_rows = wide, narrow, bias, max_rows
-        self.out_features = narrow.shape[0]
+        self.out_features = out_features
 
     def takes(self, x: torch.Tensor) -> bool:
-        return x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] <= self.max_rows
+        return self.wide is None or (x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] <= self.max_rows)
 
 
 def forced_rows() -> int | None:
-    """None: measure; 0: off; N: the bf16 path up to N rows (RAYLM_CPU_NARROW_LINEAR)."""
+    """None: measure; 0: off; ALL: narrow only; N: the bf16 path up to N rows (RAYLM_CPU_NARROW_LINEAR)."""
     raw = os.environ.get(ENV)
     if raw is None:
         return None
     if raw == "off":
         return 0
+    if raw == "all":
+        return ALL
     if not raw.isdigit():
-        raise ValueError(f"{ENV} must be 'off' or a number of rows, got {raw!r}")
+        raise ValueError(f"{ENV} must be 'off', 'all' or a number of rows, got {raw!r}")
     return int(raw)
 
 
-def bf16_copy(weight: torch.Tensor) -> torch.Tensor | None:
-    """weight in bf16 when it qualifies (big, fp32, every value a bf16 value), else None."""
+def bf16_copy(kernels, weight: torch.Tensor) -> torch.Tensor | None:
+    """weight in bf16, packed for the kernel, when it qualifies (big, fp32, every value a bf16
+    value), else None."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.numel() < NARROW_MIN_ELEMENTS:
         return None
     narrow = weight.to(torch.bfloat16)
-    return narrow if torch.equal(narrow.to(torch.float32), weight) else None
+    return kernels.narrow_pack(narrow) if torch.equal(narrow.to(torch.float32), weight) else None
 
 
 def narrow_linear(kernels, x: torch.Tensor, handle: NarrowWeight, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [m, in] (fp32) -> [m, out'] through the bf16 copy, into `out` (its first out' columns) if given."""
-    if out is None:
-        out = torch.empty(x.shape[0], handle.out_features, dtype=torch.float32)
-    kernels.narrow_linear(out, x.contiguous(), handle.narrow)
+    """x [..., in] (fp32) -> [..., out'] through the bf16 copy, into `out` (2-d x: its first out'
+    columns) if given."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    y = out if out is not None else torch.empty(x2.shape[0], handle.out_features, dtype=torch.float32)
+    kernels.narrow_linear(y, x2, handle.narrow)
     if handle.bias is not None:
-        out += handle.bias[: out.shape[1]]
-    return out
+        y += handle.bias[: y.shape[1]]
+    return y if out is not None or x.dim() == 2 else y.view(*x.shape[:-1], handle.out_features)
 
 
-def crossover(kernels, wide_linear, wide, narrow: torch.Tensor) -> int:
-    """The largest probed batch size up to which the bf16 path measured faster than the wide one
-    (0 where it never did): each timed best of two after a warm run."""
-    probe = NarrowWeight(wide, narrow, None, max(PROBE_ROWS))
-    best = 0
+def choose_rows(kernels, wide_linear, wide, narrow: torch.Tensor, out_features: int) -> int:
+    """Measured on this CPU: ALL (narrow only), the largest probed batch size up to which the bf16
+    path measured faster than the wide one, or 0 (wide only). Each probe is the best of two timed
+    calls after a warm one."""
+    probe = NarrowWeight(wide, narrow, out_features, None, max(PROBE_ROWS))
+    in_features = narrow.shape[1]
+    crossover, always = 0, True
     for rows in PROBE_ROWS:
-        x = torch.randn(rows, narrow.shape[1])
+        if rows > 1 and rows * out_features * in_features > PROBE_MAX_MACS:
+            break
+        x = torch.randn(rows, in_features)
         mine = _best_of(lambda: narrow_linear(kernels, x, probe))  # noqa: B023 (called at once)
         theirs = _best_of(lambda: wide_linear(x, wide))  # noqa: B023
-        if mine >= theirs:
-            break
-        best = rows
-    return best
+        always = always and mine <= theirs * TOLERANCE
+        if mine < theirs and crossover == rows_before(rows):
+            crossover = rows
+    return ALL if always else crossover
+
+
+def rows_before(rows: int) -> int:
+    """The probe before `rows` (0 before the first): a crossover grows only while each probe wins."""
+    i = PROBE_ROWS.index(rows)
+    return PROBE_ROWS[i - 1] if i else 0
 
 
 def _best_of(f, runs: int = 2) -> float:
