@@ -89,6 +89,7 @@ class ModelRunner:
             self.cpu_threads = (config.num_threads, prefill)
         self.device = torch_device(config.device, config.device_index)
         self.weights_fingerprint: float | None = None  # set for random models, to check copies agree
+        given = model is not None
         model, tokenizer_size = self._load_model(config, model, parallel)
         self.model = model.eval()
         mc = model.config
@@ -98,6 +99,8 @@ class ModelRunner:
             check_npu_block_size(config.block_size)  # the fused kernels refuse other sizes
         with torch.no_grad():
             self.model.prepare(self.ops, logits_rows=self.vocab_size)  # weights fused / packed once
+            if not given:  # a weight the table copied is not held twice (a caller's model stays whole)
+                self.model.release_unprepared_weights()
         self.max_model_len = config.max_model_len or mc.max_model_len
         if self.max_model_len > mc.max_model_len:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
@@ -150,6 +153,8 @@ class ModelRunner:
                                expert_dtype=expert_dtype_for(self.weights_dtype, dtype))
         if dtype != self.weights_dtype:
             log.info("%s weights compute in %s on %s", self.weights_dtype, dtype, self.device)
+            if stored is not None and stored.itemsize < dtype.itemsize and self.device.type == "cpu":
+                model.store_embedding(stored)  # the checkpoint's values: exact at its width
         return model, tokenizer_size
 
     def _allocate_kv_cache(self, config: RunnerConfig, parallel: TensorParallel):
@@ -367,7 +372,7 @@ class ModelRunner:
             "device": str(self.device),
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "weights_dtype": str(self.weights_dtype).removeprefix("torch."),
-            "weight_bytes": sum(p.nbytes for p in self.model.parameters()),  # this rank's, as held
+            "weight_bytes": self.model.weight_bytes(),  # this rank's, as held: parameters and prepared copies
             "moe": self.moe_report(),
             "device_outputs": self.device_outputs,
             "weights_fingerprint": self.weights_fingerprint,

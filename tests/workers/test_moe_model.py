@@ -121,6 +121,34 @@ def test_bf16_experts_stay_bf16_when_the_model_computes_in_fp32(paths, tmp_path)
     assert outputs[0] == outputs[1]
 
 
+def test_a_bf16_checkpoint_computing_in_fp32_holds_about_its_own_bytes(paths, tmp_path, monkeypatch):
+    """Every matrix at the checkpoint's width (experts, embedding, the layers' projections and the
+    lm_head read by the narrow linear), nothing kept twice; the tokens those of the fp32 reference."""
+    import shutil
+
+    from workers.ops import cpu_kernels, cpu_narrow
+
+    if cpu_kernels.load() is None:
+        pytest.skip("raylm's CPU kernels did not build here")
+    monkeypatch.setattr(cpu_narrow, "NARROW_MIN_ELEMENTS", 1)  # the tiny model's projections qualify
+    monkeypatch.setenv(cpu_narrow.ENV, "all")
+    d = tmp_path / "bf16"
+    hf_moe("sparse_step").to(torch.bfloat16).save_pretrained(d)  # untied embeddings
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{paths['sparse_step']}/{f}", d / f)
+    stored = sum(t.nbytes for t in load_file(str(d / "model.safetensors")).values())
+    runner = make_runner(str(d), "cpu", dtype="float32")
+    stats = runner.stats()
+    # the fp32 norms (vectors) and the panels' zero rows are the only bytes past the checkpoint's
+    assert stats["dtype"] == "float32" and stats["weight_bytes"] <= 1.15 * stored
+    outputs = []
+    for r in (runner, make_runner(str(d), "reference", dtype="float32")):
+        driver = PlanDriver(r)
+        driver.add(PROMPTS[1])
+        outputs.append(driver.generate(8))
+    assert outputs[0] == outputs[1]
+
+
 def _edit_checkpoint(src: str, dst, edit) -> str:
     import shutil
 

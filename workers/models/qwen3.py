@@ -270,6 +270,7 @@ class Qwen3ForCausalLM(nn.Module):
         # reset_rotary recomputes it where the model lands
         self.register_buffer("inv_freq", config.inv_freq("cpu"), persistent=False)
         self.prepared = PreparedWeights()  # set by prepare(ops)
+        self.released = False  # set by release_unprepared_weights
 
     def tie_weights(self) -> None:
         """Re-point lm_head at the embedding (after `to_empty`, which unties them)."""
@@ -282,24 +283,68 @@ class Qwen3ForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        """The dtype the model computes in (its norms'; the embedding may be stored narrower)."""
+        return self.model.norm.weight.dtype
 
     def embed(self, input_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] -> out [T, hidden], written in place."""
-        weight = self.model.embed_tokens.weight
+        """input_ids [T] -> out [T, hidden], written in place (widened where the embedding is
+        stored narrower than the model computes)."""
         if not self.parallel.enabled:
-            return torch.index_select(weight, 0, input_ids, out=out)
+            return self._lookup(input_ids, out)
         # vocab-parallel: each rank looks up the ids it holds, zeros the rest; the sum is the lookup
         local = input_ids - self.shape.vocab_start
         outside = (local < 0) | (local >= self.shape.vocab_rows)  # [T]
-        torch.index_select(weight, 0, local.masked_fill(outside, 0), out=out)
+        self._lookup(local.masked_fill(outside, 0), out)
         out.masked_fill_(outside[:, None], 0)
         return self.parallel.all_reduce(out)
+
+    def _lookup(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight
+        if weight.dtype == out.dtype:
+            return torch.index_select(weight, 0, ids, out=out)
+        return out.copy_(torch.index_select(weight, 0, ids))
+
+    def store_embedding(self, dtype: torch.dtype) -> None:
+        """Keep an untied embedding in `dtype` (narrower than the compute dtype where every value
+        fits, e.g. a bf16 checkpoint's: exact, half the bytes; lookups widen the rows they read).
+        A tied one is the lm_head's weight too, which the op table prepares: left as it is."""
+        if not self.config.tie_word_embeddings:
+            weight = self.model.embed_tokens.weight
+            weight.data = weight.data.to(dtype)
+
+    def weight_bytes(self) -> int:
+        """The bytes of weights held: the parameters and the op table's prepared copies, each
+        storage once."""
+        seen: dict[int, int] = {}
+        for t in [*self.parameters(), *_tensors_in(self.prepared.layers), *_tensors_in(self.prepared.lm)]:
+            seen[_storage_key(t)] = _nbytes(t)
+        return sum(seen.values())
+
+    def release_unprepared_weights(self) -> int:
+        """Free the storage of every weight matrix the forward reads only through the op table's
+        prepared handles when no handle holds it (they hold copies: packed, fused or narrowed),
+        so a weight is not held twice; the embedding stays (lookups read it). The model can not be
+        prepared again afterwards. Returns the bytes freed."""
+        if self.prepared.ops is None:
+            raise RuntimeError("prepare(ops) the model before releasing its weights")
+        held = {_storage_key(t) for t in [*_tensors_in(self.prepared.layers), *_tensors_in(self.prepared.lm)]}
+        embedding = _storage_key(self.model.embed_tokens.weight)
+        freed = 0
+        for param in self.parameters():
+            key = _storage_key(param)
+            if param.dim() >= 2 and key not in held and key != embedding and param.numel() > 0:
+                freed += param.nbytes
+                param.data = param.data.new_empty((0,) * param.dim())
+        self.released = True
+        return freed
 
     def prepare(self, ops: OpTable, logits_rows: int | None = None) -> None:
         """Hand the model its op table and let the table prepare every linear's weights once
         (q/k/v and gate/up fused, packed where the table packs); logits_rows: the vocab rows
-        the lm_head computes (None: all). Call again after the weights change."""
+        the lm_head computes (None: all). Call again after the weights change (not after
+        release_unprepared_weights)."""
+        if self.released:
+            raise RuntimeError("this model's weights were released after it was prepared: load it again")
         layers = []
         for layer in self.model.layers:
             layers.append({**layer.self_attn.prepare(ops), **layer.mlp.prepare(ops)})
@@ -349,6 +394,38 @@ class Qwen3ForCausalLM(nn.Module):
         if out.dtype == h.dtype:
             return p.ops.linear_into(h, p.lm, out)
         return out.copy_(p.ops.linear(h, p.lm)[:, : out.shape[1]])
+
+
+def _tensors_in(obj, seen: set[int] | None = None) -> list[torch.Tensor]:
+    """Every tensor an op table's prepared handle holds (handles are tensors, tuples, lists, dicts
+    or plain objects of them)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for item in obj for t in _tensors_in(item, seen)]
+    if isinstance(obj, dict):
+        return [t for item in obj.values() for t in _tensors_in(item, seen)]
+    if type(obj).__module__.startswith("workers.") and not isinstance(obj, (OpTable, nn.Module)):
+        return _tensors_in(getattr(obj, "__dict__", {}), seen)  # a handle class of an op table
+    return []
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # opaque tensors (oneDNN's packed weights)
+        return id(t)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return t.nbytes
 
 
 class PreparedWeights:
