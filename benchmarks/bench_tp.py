@@ -1,7 +1,7 @@
 """Tensor parallel on the CPU: TP=2 x 1 thread against TP=1 x 2 threads, through the engine.
 
     PYTHONPATH=. python benchmarks/bench_tp.py [--model random:qwen3-0.6b?layers=4]
-        [--batches 1,8] [--prompt-len 32] [--new-tokens 32] [--repeats 2]
+        [--batches 1,8] [--prompt-len 32] [--new-tokens 32] [--repeats 2] [--enable-expert-parallel]
 
 Both configurations use the same two cores (a local Ray with num_cpus=2), the same model
 and the same greedy workload (`batch` prompts of random token ids, `new-tokens` tokens
@@ -10,7 +10,9 @@ the time rank 0 spends inside collectives per step (all-reduces after o_proj and
 down_proj in every layer, the embedding's all-reduce, the logits gather, the ids
 broadcast: on the CPU gloo's host time, waits for the other rank included), the bytes
 those collectives move per step, and the bytes the driver pulls per decode step (the
-StepResult of rank 0 only, so it must not change with TP). Then the same collectives
+StepResult of rank 0 only, so it must not change with TP), and the weight bytes rank 0 holds
+against the checkpoint's. With --enable-expert-parallel an MoE model's TP=2 run splits the
+experts between the two ranks instead of slicing each one. Then the same collectives
 alone, with no model between them (two processes, gloo, one thread each), so their own
 cost can be told apart from the wait for the other rank inside a real step. A script,
 not a test.
@@ -24,6 +26,7 @@ import multiprocessing as mp
 import random
 import statistics
 import time
+from pathlib import Path
 
 import ray
 
@@ -47,14 +50,16 @@ def collective_bytes(config, rows: int, sampled: int, tp: int) -> int:
     return int(reduces + gather + sampled * 4)
 
 
-def run(model: str, tp: int, threads: int, batch: int, prompt_len: int, new_tokens: int, repeats: int) -> dict:
+def run(model: str, tp: int, threads: int, batch: int, prompt_len: int, new_tokens: int, repeats: int,
+        expert_parallel: bool = False) -> dict:
     rng = random.Random(0)
     vocab = 1000  # ids below any Qwen3 vocab
     prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     blocks = batch * (-(-(prompt_len + new_tokens) // 16) + 1) + 8
     with cluster.launch(model=model, tensor_parallel_size=tp, threads_per_worker=threads, num_kv_blocks=blocks,
-                        max_model_len=max(256, prompt_len + new_tokens + 1), max_num_seqs=max(batch, 8)) as llm:
+                        max_model_len=max(256, prompt_len + new_tokens + 1), max_num_seqs=max(batch, 8),
+                        enable_expert_parallel=expert_parallel and tp > 1) as llm:
         llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm
         best = None
         for _ in range(repeats):
@@ -72,6 +77,7 @@ def run(model: str, tp: int, threads: int, batch: int, prompt_len: int, new_toke
                 bytes_per_decode_step=(after["decode_bytes_pulled"] - before["decode_bytes_pulled"])
                 / max(1, after["decode_steps"] - before["decode_steps"]),
                 outputs=[o.token_ids for o in outs],
+                weight_bytes=wa["weight_bytes"],
             )
             if best is None or row["tokens_per_s"] > best["tokens_per_s"]:
                 best = row
@@ -99,6 +105,10 @@ def _collectives_rank(rank: int, port: int, config, batch: int, iters: int, out)
     tp.close()
 
 
+def checkpoint_bytes(path: str) -> int:
+    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+
+
 def collectives_only_ms(config, batch: int, iters: int = 30) -> float:
     """Median ms of one decode step's collectives for `batch` rows, with nothing else running."""
     ctx = mp.get_context("spawn")
@@ -119,20 +129,25 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--enable-expert-parallel", action="store_true",
+                    help="TP=2 splits an MoE model's experts between the ranks (vLLM's option of that name)")
     a = ap.parse_args()
     config = random_spec_config(parse_random_spec(a.model)) if is_random_spec(a.model) else load_config(a.model)
     ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
-    print(f"model {a.model}: hidden {config.hidden_size}, {config.num_hidden_layers} layers, vocab {config.vocab_size}")
+    print(f"model {a.model}: hidden {config.hidden_size}, {config.num_hidden_layers} layers, vocab {config.vocab_size}"
+          + (f", {config.num_experts} experts" if config.is_moe else "")
+          + (f"; checkpoint {checkpoint_bytes(a.model) / 2**30:.2f} GiB" if not is_random_spec(a.model) else ""))
     print(f"{'batch':>5} {'config':>14} {'tok/s':>8} {'step ms':>8} {'coll ms':>8} {'coll/step':>9} "
-          f"{'coll KiB/step':>13} {'pulled B/decode step':>20}")
+          f"{'coll KiB/step':>13} {'pulled B/decode step':>20} {'rank 0 GiB':>10}")
     for batch in [int(b) for b in a.batches.split(",")]:
         results = {}
         for tp, threads in CONFIGS:
-            r = results[tp] = run(a.model, tp, threads, batch, a.prompt_len, a.new_tokens, a.repeats)
+            r = results[tp] = run(a.model, tp, threads, batch, a.prompt_len, a.new_tokens, a.repeats,
+                                  a.enable_expert_parallel)
             kib = collective_bytes(config, batch, batch, tp) / 1024  # a decode step: one row per request
             print(f"{batch:>5} {f'TP={tp} x {threads} thr':>14} {r['tokens_per_s']:>8.1f} {r['step_ms']:>8.2f} "
                   f"{r['collective_ms']:>8.2f} {r['collectives_per_step']:>9.1f} {kib:>13.1f} "
-                  f"{r['bytes_per_decode_step']:>20.1f}")
+                  f"{r['bytes_per_decode_step']:>20.1f} {r['weight_bytes'] / 2**30:>10.2f}")
         one, two = results[1], results[2]
         print(f"{batch:>5} TP=2/TP=1 throughput {two['tokens_per_s'] / one['tokens_per_s']:.2f}x; "
               f"collectives {100 * two['collective_ms'] / two['step_ms']:.0f}% of a TP=2 step; "

@@ -94,7 +94,8 @@ def run_raylm(spec: EngineSpec, wl: Workload, vocab_size: int, profile_dir: str 
     fig.update(_stat_delta(before, after))
     fig.update(launch_s=launch_s, weights_fingerprints=fingerprints, worker_pids=list(pids.values()),
                finish_reasons=sorted({o.finish_reason for o in outs}),
-               compute_dtype=_compute_dtype(worker_stats), ops=(worker_stats[0].get("ops") if worker_stats else None))
+               compute_dtype=_compute_dtype(worker_stats), ops=(worker_stats[0].get("ops") if worker_stats else None),
+               weight_bytes=(worker_stats[0].get("weight_bytes") if worker_stats else None))
     return fig, [o.token_ids for o in outs]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -111,6 +112,11 @@ def print_report(bench: Bench, out=sys.stdout) -> None:
               f"{s['total_tok_s']:>11.2f} {s['elapsed_s']:>9.1f} {ms(s, 'ttft'):>16} {ms(s, 'tpot'):>16} "
               f"{ms(s, 'itl'):>15} "
               f"{'-' if bps is None else f'{bps:.0f}':>13}", file=out)
+    held = [f["weight_bytes"] for r in bench.runs if r.kind == "raylm" for f in r.rounds if f.get("weight_bytes")]
+    if held:
+        on_disk = sum(p.stat().st_size for p in Path(bench.model_spec).glob("*.safetensors"))
+        print(f"\nweights a raylm worker holds: {max(held) / 2**30:.2f} GiB"
+              + (f" (the checkpoint's safetensors: {on_disk / 2**30:.2f} GiB)" if on_disk else ""), file=out)
     table = ratios(bench)
     if table:
         print("\n# ratios (output tokens/s)", file=out)
