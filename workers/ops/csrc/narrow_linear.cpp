@@ -7,8 +7,8 @@
 // holds w[p * NR + j][k] at [p][k][j] (rows past the end are zeros). A panel's slice of KC columns
 // stays in L1 while the micro-kernel, an outer product, runs over the tokens: per k it loads the
 // panel's two weight vectors, broadcasts x[i][k] for MR tokens and adds 2 * MR FMAs into
-// accumulators held in registers (each output is one fp32 chain over k in order; a next slice
-// continues from the partial sums). Tokens go in blocks whose rows of x stay in L2 while the
+// accumulators held in registers (each slice's sum one fp32 chain over its k in order, added to the
+// sum of the earlier slices). Tokens go in blocks whose rows of x stay in L2 while the
 // thread's panels stream past them; small batches are one block, bound by reading the weight once.
 // Panels are split among torch's threads.
 #include <ATen/Parallel.h>
@@ -49,6 +49,7 @@ inline void vload2(const W* p, vf& w0, vf& w1) {
 #if defined(__AVX512F__)
 constexpr int MR = 12;  // 24 accumulators + 2 weight vectors + 1 broadcast of 32 registers
 inline vf vbroadcast(float v) { return _mm512_set1_ps(v); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 template <>
 inline void vload2(const c10::BFloat16* p, vf& w0, vf& w1) {
@@ -59,6 +60,7 @@ inline void vload2(const c10::BFloat16* p, vf& w0, vf& w1) {
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int MR = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast of 16 registers
 inline vf vbroadcast(float v) { return _mm256_set1_ps(v); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
 template <>
 inline void vload2(const c10::BFloat16* p, vf& w0, vf& w1) {
@@ -69,31 +71,20 @@ inline void vload2(const c10::BFloat16* p, vf& w0, vf& w1) {
 #else
 constexpr int MR = 4;
 inline vf vbroadcast(float v) { return v; }
+inline vf vadd(vf a, vf b) { return a + b; }
 inline void vstore(float* p, vf v) { *p = v; }
 #endif
 
-// out[i * ldo + j] (j < n) (+)= sum over k in [0, kc) of x[i][k0 + k] * panel[k][j], for M tokens;
-// the sum continues from out's partial sums when accumulate (the same fp32 chain as one pass over K)
+// out[i * ldo + j] (j < n) (+)= sum over k in [0, kc) of x[i][k0 + k] * panel[k][j], for M tokens:
+// each slice's sum is one fp32 chain, added to out's sum of the earlier slices when accumulate (two
+// levels, so the rounding error grows with KC + K / KC terms rather than with K)
 template <int M, typename W>
 inline void panel_block(const W* __restrict panel, int64_t kc, bool accumulate, const float* const* x,
                         int64_t k0, float* out, int64_t ldo, int64_t n) {
   vf acc[M][2];
   alignas(64) float tmp[NR];
-  if (!accumulate) {
 #pragma GCC unroll 16
-    for (int i = 0; i < M; ++i) acc[i][0] = acc[i][1] = vzero();
-  } else if (n == NR) {
-    for (int i = 0; i < M; ++i) {
-      acc[i][0] = vload(out + i * ldo);
-      acc[i][1] = vload(out + i * ldo + VL);
-    }
-  } else {
-    for (int i = 0; i < M; ++i) {
-      for (int64_t j = 0; j < NR; ++j) tmp[j] = j < n ? out[i * ldo + j] : 0.f;
-      acc[i][0] = vload(tmp);
-      acc[i][1] = vload(tmp + VL);
-    }
-  }
+  for (int i = 0; i < M; ++i) acc[i][0] = acc[i][1] = vzero();
   const float* xr[M];
   for (int i = 0; i < M; ++i) xr[i] = x[i] + k0;
   for (int64_t k = 0; k < kc; ++k) {
@@ -108,15 +99,16 @@ inline void panel_block(const W* __restrict panel, int64_t kc, bool accumulate, 
   }
   if (n == NR) {
     for (int i = 0; i < M; ++i) {
-      vstore(out + i * ldo, acc[i][0]);
-      vstore(out + i * ldo + VL, acc[i][1]);
+      float* o = out + i * ldo;
+      vstore(o, accumulate ? vadd(vload(o), acc[i][0]) : acc[i][0]);
+      vstore(o + VL, accumulate ? vadd(vload(o + VL), acc[i][1]) : acc[i][1]);
     }
     return;
   }
   for (int i = 0; i < M; ++i) {
     vstore(tmp, acc[i][0]);
     vstore(tmp + VL, acc[i][1]);
-    for (int64_t j = 0; j < n; ++j) out[i * ldo + j] = tmp[j];
+    for (int64_t j = 0; j < n; ++j) out[i * ldo + j] = accumulate ? out[i * ldo + j] + tmp[j] : tmp[j];
   }
 }
 
