@@ -167,6 +167,11 @@ class Bench:
         need = 2 * per_token * blocks_needed(self.wl.prompts, self.wl.output_lens, 1)
         return max(1, min(4, -(-need // 2**30)))
 
+    def longest_request(self) -> int:
+        """The workload's longest prompt + output: vLLM's max_model_len, which it refuses to start
+        without KV space for (the model's own, 40,960 for Qwen3, needs more than peer_kv_gib)."""
+        return max(len(p) + n for p, n in zip(self.wl.prompts, self.wl.output_lens, strict=True))
+
     def peer(self, run: Run):
         """The vLLM engine of this run's batch size, started on first use and kept for all rounds."""
         from cluster.bench.vllm_peer import VLLMPeer, peer_dtype
@@ -179,7 +184,7 @@ class Bench:
             peer = VLLMPeer(self.model_spec, dtype=dtype, max_num_seqs=run.spec.batch_size,
                             max_num_batched_tokens=a.max_num_batched_tokens, block_size=None,
                             threads=run.spec.threads, kv_space_gib=self.peer_kv_gib(dtype), venv=a.peers_venv,
-                            log_path=log_path)
+                            max_model_len=self.longest_request(), log_path=log_path)
             log.info("vLLM %s (%s) up in %.1fs; its log: %s", peer.version, peer.dtype, peer.launch_s, log_path)
             self.peers[run.spec.batch_size] = peer
         return peer
