@@ -34,8 +34,8 @@ CASES = {
                                               renormalize=False),
     "hidden 36, intermediate 20": dict(tokens=17, hidden=36, intermediate=20),
 }
-PATHS = [pytest.param("cpp", marks=needs_kernels), pytest.param("aten-mm", marks=needs_kernels), "grouped-mm",
-         "reference"]
+PATHS = [pytest.param("cpp-packed", marks=needs_kernels), pytest.param("cpp", marks=needs_kernels),
+         pytest.param("aten-mm", marks=needs_kernels), "grouped-mm", "reference"]
 
 
 def make_case(name, dtypes, seed=0):
@@ -66,8 +66,10 @@ def test_each_cpu_path_equals_the_reference(name, dtypes, path, monkeypatch):
     if not fits(path, case):
         pytest.skip("torch._grouped_mm takes rows of 16-byte multiples only")
     ops = get_op_table("cpu", "cpu")
-    experts = ops.prepare_moe(case.w13, case.w2, case.first_expert, case.num_experts)
-    assert experts.w13.data_ptr() == case.w13.data_ptr() and experts.w13.dtype == case.w13.dtype  # no copy
+    experts = ops.prepare_moe(case.w13, case.w2, case.first_expert, case.num_experts, dtype=case.x.dtype)
+    assert experts.w13.dtype == case.w13.dtype  # never widened
+    if path != "cpp-packed":
+        assert experts.w13.data_ptr() == case.w13.data_ptr()  # no copy (cpp-packed: the packed layout instead)
     out = ops.fused_moe(case.x, case.router_logits, experts, case.top_k, case.renormalize)
     assert_matches_reference(out, case)
     if case.x.shape[0]:
@@ -164,7 +166,8 @@ def test_an_unknown_or_unfit_forced_moe_path_is_refused(monkeypatch):
     ops = get_op_table("cpu", "cpu")
     case = make_case("hidden 36, intermediate 20", DTYPES[3])
     monkeypatch.setenv(cpu_moe.ENV, "fast")
-    with pytest.raises(ValueError, match="RAYLM_CPU_MOE must be one of cpp, aten-mm, grouped-mm, reference"):
+    with pytest.raises(ValueError,
+                       match="RAYLM_CPU_MOE must be one of cpp-packed, cpp, aten-mm, grouped-mm, reference"):
         ops.fused_moe(case.x, case.router_logits, case.weights(), case.top_k, case.renormalize)
     monkeypatch.setenv(cpu_moe.ENV, "grouped-mm")
     with pytest.raises(ValueError, match="multiple of 16 bytes"):
@@ -174,3 +177,20 @@ def test_an_unknown_or_unfit_forced_moe_path_is_refused(monkeypatch):
 def test_token_buckets():
     assert [cpu_moe.bucket(t) for t in (1, 2, 8, 9, 64, 256, 257, 1024, 1025)] == \
         ["T<=1", "T<=8", "T<=8", "T<=64", "T<=64", "T<=256", "T<=1024", "T<=1024", "T>1024"]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtypes", DTYPES, ids=lambda d: f"{d[0]}-{d[1]}".replace("torch.", ""))
+def test_only_experts_narrower_than_the_activations_are_packed_unforced(dtypes, monkeypatch):
+    monkeypatch.delenv(cpu_moe.ENV, raising=False)
+    case = make_case("64 tokens, 128 experts, top-8", dtypes, seed=4)
+    ops = get_op_table("cpu", "cpu")
+    experts = ops.prepare_moe(case.w13, case.w2, case.first_expert, case.num_experts, dtype=case.x.dtype)
+    narrower = case.w13.dtype.itemsize < case.x.dtype.itemsize
+    assert isinstance(experts, cpu_moe.PackedMoEWeights) == narrower
+    assert_matches_reference(ops.fused_moe(case.x, case.router_logits, experts, case.top_k, case.renormalize), case)
+    assert ops.describe()["moe"].endswith(": cpp-packed") == narrower
+    if narrower:  # packed experts serve no other path
+        monkeypatch.setenv(cpu_moe.ENV, "cpp")
+        with pytest.raises(ValueError, match="these experts are packed for the 'cpp-packed' MoE path, not 'cpp'"):
+            ops.fused_moe(case.x, case.router_logits, experts, case.top_k, case.renormalize)

@@ -51,7 +51,8 @@ class Qwen3SparseMoeBlock(nn.Module):
     def prepare(self, ops: OpTable) -> dict:
         e = self.experts
         return {"router": ops.prepare_linear(self.gate.weight, None),
-                "experts": ops.prepare_moe(e.gate_up_proj, e.down_proj, e.first_expert, e.num_experts)}
+                "experts": ops.prepare_moe(e.gate_up_proj, e.down_proj, e.first_expert, e.num_experts,
+                                           dtype=self.gate.weight.dtype)}  # the router computes in x's dtype
 
     def forward(self, ops: OpTable, w: dict, x: torch.Tensor) -> torch.Tensor:
         router_logits = ops.linear(x, w["router"])  # [T, E], in x's dtype as HF computes it

@@ -178,8 +178,10 @@ class OpTable:
         raise NotImplementedError
 
     # -- mixture of experts --
-    def prepare_moe(self, w13: torch.Tensor, w2: torch.Tensor, first_expert: int, num_experts: int) -> MoEWeights:
-        """One layer's experts (MoEWeights' layout) -> the handle fused_moe takes, once at load."""
+    def prepare_moe(self, w13: torch.Tensor, w2: torch.Tensor, first_expert: int, num_experts: int,
+                    dtype: torch.dtype | None = None) -> MoEWeights:
+        """One layer's experts (MoEWeights' layout) -> the handle fused_moe takes, once at load;
+        dtype: the activations' (None: the experts'), where a table lays out narrower experts apart."""
         return MoEWeights(w13, w2, first_expert, num_experts)
 
     def fused_moe(self, x: torch.Tensor, router_logits: torch.Tensor, experts: MoEWeights, top_k: int,

@@ -206,8 +206,8 @@ class CPUOps(ReferenceOps):
             return out.copy_(self.linear(x, handle)[:, : out.shape[1]])
         return super().linear_into(x, handle, out)
 
-    def prepare_moe(self, w13, w2, first_expert, num_experts):
-        return self.moe.prepare(w13, w2, first_expert, num_experts)
+    def prepare_moe(self, w13, w2, first_expert, num_experts, dtype=None):
+        return self.moe.prepare(w13, w2, first_expert, num_experts, dtype)
 
     def fused_moe(self, x, router_logits, experts, top_k, renormalize):
         return self.moe.forward(x, router_logits, experts, top_k, renormalize)

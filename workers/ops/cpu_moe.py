@@ -3,6 +3,10 @@
 Every path routes with `route_tokens`, groups the (token, expert) pairs by expert, runs gate/up,
 silu * up and down per expert and sums each token's weighted outputs; none loops over experts in
 Python:
+- "cpp-packed": raylm's kernel over experts packed once at prepare into panels (csrc/panel_gemm.h's
+  outer-product micro-kernel, as the narrow linear's), read at their own width and widened in
+  registers, fp32 math: for experts narrower than the activations (a bf16 checkpoint computing in
+  fp32), the only layout they are then held in (the worker frees the unpacked ones);
 - "cpp": raylm's kernel (csrc/fused_moe.cpp): register-blocked dot products over the weights where
   they lie, bf16 / fp16 experts read at their own width and widened in registers, fp32 math;
 - "aten-mm": the same kernel's routing with aten's GEMM per hit expert (oneDNN, with AMX for bf16
@@ -14,10 +18,11 @@ The fastest depends on the CPU (AMX or not), the dtypes and the tokens per step:
 hit expert's weights once and is bound by memory, a large batch is bound by arithmetic, where a GEMM
 library's bf16 tiles win. So the first call of each (x dtype, weight dtype, tokens bucket, layer
 shape) times the candidates on that call's own input (at most MEASURE_TOKENS of its tokens, a warm
-run, and more of them where runs are quick) and the process keeps the winner. Only paths that read narrower
-weights at their own width compete for them: "aten-mm" and "grouped-mm" would widen a copy.
-RAYLM_CPU_MOE=cpp|aten-mm|grouped-mm|reference forces one ("cpp" / "aten-mm" fail loudly where the
-kernels cannot be built). Without the kernels the table runs "grouped-mm" (widening the hit
+run, and more of them where runs are quick) and the process keeps the winner. Narrower experts are
+packed and served by "cpp-packed" alone (measured faster than "cpp" at every batch size on an AVX2
+Zen 3: docs/benchmarks.md); "aten-mm" and "grouped-mm" would widen a copy.
+RAYLM_CPU_MOE=cpp-packed|cpp|aten-mm|grouped-mm|reference forces one (the "cpp" paths / "aten-mm"
+fail loudly where the kernels cannot be built). Without the kernels the table runs "grouped-mm" (widening the hit
 experts where the weights are narrower), or the reference where torch._grouped_mm cannot take the
 layer's sizes.
 """
@@ -35,7 +40,7 @@ from workers.ops.base import MoEWeights, route_tokens
 from workers.ops.moe_grouped import grouped_mm_fits, grouped_mm_moe
 from workers.ops.reference import ReferenceOps
 
-PATHS = ("cpp", "aten-mm", "grouped-mm", "reference")
+PATHS = ("cpp-packed", "cpp", "aten-mm", "grouped-mm", "reference")
 ENV = "RAYLM_CPU_MOE"
 BUCKETS = (1, 8, 64, 256, 1024)  # token counts up to each edge share one measurement; above the last, one more
 # a larger batch is measured on its first MEASURE_TOKENS tokens: a prefill step's size (max_num_batched_tokens'
@@ -44,6 +49,20 @@ MEASURE_TOKENS = 2048
 _QUICK_S = 0.01  # a warm run under QUICK is timed best of 3 more, a slower one best of 1 more
 
 log = logging.getLogger(__name__)
+
+
+class PackedMoEWeights(MoEWeights):
+    """A layer's experts packed by the kernels' fused_moe_pack: w13 [E, ceil(2I / NR), hidden, NR],
+    w2 [E, ceil(hidden / NR), I, NR], in the experts' own dtype."""
+
+    def __init__(self, w13, w2, first_expert: int, num_experts: int, intermediate: int) -> None:
+        super().__init__(w13, w2, first_expert, num_experts)
+        self.intermediate = intermediate
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.intermediate
+
 _chosen: dict[tuple, str] = {}  # per process: (dtypes, bucket, shape, threads) -> the measured winner
 _reference = ReferenceOps()
 
@@ -78,12 +97,22 @@ class CPUMoE:
         """Which path ran per dtypes and tokens bucket, e.g. 'float32/bfloat16 T<=1: cpp', or None."""
         return ", ".join(f"{k}: {v}" for k, v in sorted(self.ran.items())) or None
 
-    def prepare(self, w13: torch.Tensor, w2: torch.Tensor, first_expert: int, num_experts: int) -> MoEWeights:
-        """The experts as they are (contiguous, in their own dtype: never a widened copy)."""
+    def prepare(self, w13: torch.Tensor, w2: torch.Tensor, first_expert: int, num_experts: int,
+                dtype: torch.dtype | None = None) -> MoEWeights:
+        """Experts narrower than the activations' `dtype` packed for "cpp-packed" (where the kernels
+        built and no other path is forced); else as they are (contiguous, in their own dtype: never a
+        widened copy)."""
+        forced = forced_path()
+        narrower = dtype is not None and w13.dtype.itemsize < dtype.itemsize
+        if self.kernels is not None and (forced == "cpp-packed" or (forced is None and narrower)):
+            return PackedMoEWeights(self.kernels.fused_moe_pack(w13), self.kernels.fused_moe_pack(w2), first_expert,
+                                    num_experts, w2.shape[2])
         return MoEWeights(w13.contiguous(), w2.contiguous(), first_expert, num_experts)
 
     def candidates(self, x: torch.Tensor, experts: MoEWeights) -> list[str]:
         """The paths that may serve this layer's dtypes here, fastest-first when untimed."""
+        if isinstance(experts, PackedMoEWeights):
+            return ["cpp-packed"]
         same = experts.w13.dtype == x.dtype
         paths = ["cpp"] if self.kernels is not None else []
         if self.kernels is not None and same:
@@ -97,6 +126,17 @@ class CPUMoE:
     def run(self, path: str, x: torch.Tensor, router_logits: torch.Tensor, experts: MoEWeights, top_k: int,
             renormalize: bool) -> torch.Tensor:
         """fused_moe through `path`."""
+        if path == "cpp-packed" or isinstance(experts, PackedMoEWeights):
+            if path != "cpp-packed":
+                raise ValueError(f"these experts are packed for the 'cpp-packed' MoE path, not {path!r}")
+            if not isinstance(experts, PackedMoEWeights):
+                raise ValueError("the 'cpp-packed' MoE path takes experts packed at prepare: set "
+                                 f"{ENV}=cpp-packed before the model is prepared")
+            weights, ids = route_tokens(router_logits, top_k, renormalize)
+            out = torch.empty_like(x)
+            self.kernels.fused_moe_packed(out, x.contiguous(), experts.w13, experts.w2, ids, weights,
+                                          experts.first_expert, experts.intermediate_size)
+            return out
         if path in ("cpp", "aten-mm"):
             if self.kernels is None:
                 raise RuntimeError(f"the MoE path {path!r} needs raylm's CPU kernels, which could not be built: "

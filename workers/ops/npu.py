@@ -225,7 +225,7 @@ class NpuOpTable(OpTable):
         return torch_npu().npu_swiglu(x, dim=-1)
 
     # -- mixture of experts --
-    def prepare_moe(self, w13, w2, first_expert, num_experts) -> NpuMoEWeights:
+    def prepare_moe(self, w13, w2, first_expert, num_experts, dtype=None) -> NpuMoEWeights:
         """The grouped matmul computes x_g @ weight_g with weight [E, in, out]: our [E, out, in]
         experts are laid out so once here, as vllm-ascend does at load. The model's parameters become
         transposed views of the new layout, so the experts are held once (a second call copies nothing)."""

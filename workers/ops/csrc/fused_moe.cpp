@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "moe_gemv.h"
+#include "panel_gemm.h"
 #include "vec_math.h"
 
 namespace {
@@ -253,6 +254,139 @@ void fused_moe_mm(at::Tensor out, at::Tensor x, at::Tensor w13, at::Tensor w2, a
   out.index_add_(0, index, y.mul_(wt.to(x.scalar_type())));
 }
 
+// -- the packed-panel path: experts packed once (fused_moe_pack), panel_gemm.h's micro-kernel ------------
+constexpr int64_t kPanelGroup = 4;                  // panels per work item (64 rows on AVX2)
+constexpr int64_t kTokenBlockBytes = 256 * 1024;    // the rows of x a token block may take (stays in L2)
+
+int64_t token_block(int64_t K) {
+  using raylm::panel::MR;
+  return std::max<int64_t>(MR, kTokenBlockBytes / (K * static_cast<int64_t>(sizeof(float))) / MR * MR);
+}
+
+// y[n * ldy + j] (j < cols) = x_n . w[r0 + j] over the m rows x (by pointer), for the panels of rows
+// [r0, r0 + cols) of one expert's packed weight [panels, K, NR] with `rows` rows in all
+template <typename W>
+void panels_gemm(const W* w, int64_t rows, int64_t K, int64_t r0, int64_t cols, const float* const* x, int64_t m,
+                 float* y, int64_t ldy) {
+  using raylm::panel::NR;
+  const int64_t mc = token_block(K);
+  for (int64_t i0 = 0; i0 < m; i0 += mc)
+    for (int64_t r = r0; r < r0 + cols; r += NR)
+      raylm::panel::panel_gemm(w + (r / NR) * K * NR, K, std::min(NR, rows - r), x + i0, std::min(mc, m - i0),
+                               y + i0 * ldy + (r - r0), ldy);
+}
+
+template <typename W>
+void moe_packed(const Routing& rt, const float* xf, const W* w13, const W* w2, int64_t hidden, int64_t inter,
+                float* h, float* act, int64_t T,
+                const std::function<void(int64_t, int64_t, const float*, int64_t)>& store) {
+  using raylm::panel::NR;
+  const int64_t group = kPanelGroup * NR;
+  const int64_t p13 = (2 * inter + NR - 1) / NR, p2 = (hidden + NR - 1) / NR;
+  const int64_t tiles = (2 * inter + group - 1) / group;
+  // phase 1: h[p] = w13[e] . x_p for the expert's pairs, item = (hit expert, group of panels)
+  for_each_item(static_cast<int64_t>(rt.hit.size()) * tiles, [&](int64_t item) {
+    thread_local std::vector<const float*> rows;
+    const int64_t e = rt.hit[item / tiles], r0 = (item % tiles) * group;
+    const int64_t p0 = rt.offsets[e], m = rt.offsets[e + 1] - p0;
+    rows.resize(m);
+    for (int64_t n = 0; n < m; ++n) rows[n] = xf + rt.token[p0 + n] * hidden;
+    panels_gemm(w13 + e * p13 * hidden * NR, 2 * inter, hidden, r0, std::min(group, 2 * inter - r0), rows.data(), m,
+                h + p0 * 2 * inter + r0, 2 * inter);
+  });
+  // silu(gate) * up for every pair
+  at::parallel_for(0, rt.pairs(), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t q = begin; q < end; ++q) {
+      const float* g = h + q * 2 * inter;
+      const float* u = g + inter;
+      float* a = act + q * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) a[i] = g[i] / (1.f + raylm::fast_exp(-g[i])) * u[i];
+    }
+  });
+  // phase 2: item = a group of output columns, owned: over the hit experts in ascending order,
+  // weight * (w2[e] . act_p) added into the pairs' tokens' sums for those columns
+  const int64_t col_tiles = (hidden + group - 1) / group;
+  for_each_item(col_tiles, [&](int64_t item) {
+    thread_local std::vector<float> sums, y;
+    thread_local std::vector<const float*> rows;
+    const int64_t h0 = item * group, nh = std::min(group, hidden - h0);
+    sums.assign(T * group, 0.f);
+    for (const int64_t e : rt.hit) {
+      const int64_t p0 = rt.offsets[e], m = rt.offsets[e + 1] - p0;
+      rows.resize(m);
+      y.resize(m * group);
+      for (int64_t n = 0; n < m; ++n) rows[n] = act + (p0 + n) * inter;
+      panels_gemm(w2 + e * p2 * inter * NR, hidden, inter, h0, nh, rows.data(), m, y.data(), group);
+      for (int64_t n = 0; n < m; ++n) {
+        float* sum = sums.data() + rt.token[p0 + n] * group;
+        const float* yn = y.data() + n * group;
+        const float wt = rt.weight[p0 + n];
+#pragma omp simd
+        for (int64_t c = 0; c < nh; ++c) sum[c] += wt * yn[c];
+      }
+    }
+    store(h0, nh, sums.data(), group);
+  });
+}
+
+// out [T, hidden] = the experts' weighted sum, experts packed by fused_moe_pack: w13p [E, ceil(2I / NR),
+// hidden, NR], w2p [E, ceil(hidden / NR), I, NR]
+void fused_moe_packed(at::Tensor out, at::Tensor x, at::Tensor w13p, at::Tensor w2p, at::Tensor topk_ids,
+                      at::Tensor topk_weights, int64_t first_expert, int64_t inter) {
+  using raylm::panel::NR;
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, hidden]");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(),
+              "out must be contiguous, shaped and typed like x");
+  const int64_t hidden = x.size(1);
+  TORCH_CHECK(w13p.dim() == 4 && w2p.dim() == 4 && w13p.is_contiguous() && w2p.is_contiguous() &&
+                  w13p.size(0) == w2p.size(0) && w13p.size(1) == (2 * inter + NR - 1) / NR &&
+                  w13p.size(2) == hidden && w13p.size(3) == NR && w2p.size(1) == (hidden + NR - 1) / NR &&
+                  w2p.size(2) == inter && w2p.size(3) == NR && w13p.scalar_type() == w2p.scalar_type(),
+              "w13p and w2p must be the experts packed by fused_moe_pack for this hidden and intermediate size");
+  TORCH_CHECK(topk_ids.scalar_type() == at::kLong && topk_ids.dim() == 2 && topk_ids.size(0) == x.size(0) &&
+                  topk_weights.sizes() == topk_ids.sizes(),
+              "topk_ids must be int64 [T, k] and topk_weights [T, k]");
+  const Routing rt(topk_ids, topk_weights, first_expert, w13p.size(0));
+  const int64_t T = x.size(0);
+  if (T == 0) return;
+  const at::Tensor xs = x.to(at::kFloat).contiguous();
+  at::Tensor h = at::empty({std::max<int64_t>(rt.pairs(), 1), 2 * inter}, xs.options());
+  at::Tensor act = at::empty({std::max<int64_t>(rt.pairs(), 1), inter}, xs.options());
+  std::function<void(int64_t, int64_t, const float*, int64_t)> store;
+  if (out.scalar_type() == at::kFloat)
+    store = [&](int64_t h0, int64_t n, const float* s, int64_t ld) {
+      store_cols(out.data_ptr<float>(), T, hidden, h0, n, s, ld);
+    };
+  else if (out.scalar_type() == at::kBFloat16)
+    store = [&](int64_t h0, int64_t n, const float* s, int64_t ld) {
+      store_cols(out.data_ptr<c10::BFloat16>(), T, hidden, h0, n, s, ld);
+    };
+  else
+    store = [&](int64_t h0, int64_t n, const float* s, int64_t ld) {
+      store_cols(out.data_ptr<c10::Half>(), T, hidden, h0, n, s, ld);
+    };
+  const float* xf = xs.data_ptr<float>();
+  switch (w13p.scalar_type()) {
+    case at::kBFloat16:
+      return moe_packed(rt, xf, w13p.data_ptr<c10::BFloat16>(), w2p.data_ptr<c10::BFloat16>(), hidden, inter,
+                        h.data_ptr<float>(), act.data_ptr<float>(), T, store);
+    case at::kHalf:
+      return moe_packed(rt, xf, w13p.data_ptr<c10::Half>(), w2p.data_ptr<c10::Half>(), hidden, inter,
+                        h.data_ptr<float>(), act.data_ptr<float>(), T, store);
+    case at::kFloat:
+      return moe_packed(rt, xf, w13p.data_ptr<float>(), w2p.data_ptr<float>(), hidden, inter, h.data_ptr<float>(),
+                        act.data_ptr<float>(), T, store);
+    default: TORCH_CHECK(false, "expert weights must be float32, bfloat16 or float16, got ", w13p.scalar_type());
+  }
+}
+
+// a layer's experts [E, rows, K] -> their panels [E, ceil(rows / NR), K, NR]
+at::Tensor fused_moe_pack(at::Tensor w) {
+  TORCH_CHECK(w.dim() == 3, "fused_moe_pack takes [E, rows, K] experts");
+  return raylm::panel::pack_panels(w);
+}
+
 std::string fused_moe_isa() { return kIsa; }
 
 }  // namespace
@@ -262,10 +396,15 @@ TORCH_LIBRARY_FRAGMENT(raylm, m) {
         "int first_expert) -> ()");
   m.def("fused_moe_mm(Tensor(a!) out, Tensor x, Tensor w13, Tensor w2, Tensor topk_ids, Tensor topk_weights, "
         "int first_expert) -> ()");
+  m.def("fused_moe_packed(Tensor(a!) out, Tensor x, Tensor w13p, Tensor w2p, Tensor topk_ids, Tensor topk_weights, "
+        "int first_expert, int inter) -> ()");
+  m.def("fused_moe_pack(Tensor w) -> Tensor");
   m.def("fused_moe_isa() -> str", &fused_moe_isa);
 }
 
 TORCH_LIBRARY_IMPL(raylm, CPU, m) {
   m.impl("fused_moe", &fused_moe);
   m.impl("fused_moe_mm", &fused_moe_mm);
+  m.impl("fused_moe_packed", &fused_moe_packed);
+  m.impl("fused_moe_pack", &fused_moe_pack);
 }
