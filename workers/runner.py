@@ -98,9 +98,8 @@ class ModelRunner:
         if self.ops.name == "npu":
             check_npu_block_size(config.block_size)  # the fused kernels refuse other sizes
         with torch.no_grad():
-            self.model.prepare(self.ops, logits_rows=self.vocab_size)  # weights fused / packed once
-            if not given:  # a weight the table copied is not held twice (a caller's model stays whole)
-                self.model.release_unprepared_weights()
+            # weights fused / packed once; one the table copied is not held twice (a caller's model stays whole)
+            self.model.prepare(self.ops, logits_rows=self.vocab_size, release=not given)
         self.max_model_len = config.max_model_len or mc.max_model_len
         if self.max_model_len > mc.max_model_len:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "

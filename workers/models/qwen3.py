@@ -270,7 +270,7 @@ class Qwen3ForCausalLM(nn.Module):
         # reset_rotary recomputes it where the model lands
         self.register_buffer("inv_freq", config.inv_freq("cpu"), persistent=False)
         self.prepared = PreparedWeights()  # set by prepare(ops)
-        self.released = False  # set by release_unprepared_weights
+        self.released = False  # set by prepare(release=True)
 
     def tie_weights(self) -> None:
         """Re-point lm_head at the embedding (after `to_empty`, which unties them)."""
@@ -320,38 +320,31 @@ class Qwen3ForCausalLM(nn.Module):
             seen[_storage_key(t)] = _nbytes(t)
         return sum(seen.values())
 
-    def release_unprepared_weights(self) -> int:
-        """Free the storage of every weight matrix the forward reads only through the op table's
-        prepared handles when no handle holds it (they hold copies: packed, fused or narrowed),
-        so a weight is not held twice; the embedding stays (lookups read it). The model can not be
-        prepared again afterwards. Returns the bytes freed."""
-        if self.prepared.ops is None:
-            raise RuntimeError("prepare(ops) the model before releasing its weights")
-        held = {_storage_key(t) for t in [*_tensors_in(self.prepared.layers), *_tensors_in(self.prepared.lm)]}
-        embedding = _storage_key(self.model.embed_tokens.weight)
-        freed = 0
-        for param in self.parameters():
-            key = _storage_key(param)
-            if param.dim() >= 2 and key not in held and key != embedding and param.numel() > 0:
-                freed += param.nbytes
-                param.data = param.data.new_empty((0,) * param.dim())
-        self.released = True
-        return freed
-
-    def prepare(self, ops: OpTable, logits_rows: int | None = None) -> None:
+    def prepare(self, ops: OpTable, logits_rows: int | None = None, release: bool = False) -> None:
         """Hand the model its op table and let the table prepare every linear's weights once
         (q/k/v and gate/up fused, packed where the table packs); logits_rows: the vocab rows
-        the lm_head computes (None: all). Call again after the weights change (not after
-        release_unprepared_weights)."""
+        the lm_head computes (None: all). Call again after the weights change.
+
+        release: free, layer by layer as it goes (so a layer's copy and its original are held
+        together only while it is prepared), the storage of every weight matrix the forward reads
+        only through the table's handles when no handle holds it (they hold copies: packed, fused
+        or narrowed): a weight is then held once. The embedding stays (lookups read it). The model
+        cannot be prepared again afterwards."""
         if self.released:
             raise RuntimeError("this model's weights were released after it was prepared: load it again")
+        keep = {_storage_key(self.model.embed_tokens.weight)}
         layers = []
         for layer in self.model.layers:
             layers.append({**layer.self_attn.prepare(ops), **layer.mlp.prepare(ops)})
+            if release:
+                _release(layer.parameters(), layers[-1], keep)
         weight = self.lm_head.weight
         if self.parallel.enabled:  # every rank computes its whole slice; rank 0 trims after the gather
             logits_rows = None
         lm = ops.prepare_linear(weight if logits_rows is None else weight[:logits_rows], None)
+        if release:
+            _release([weight], lm, keep)
+            self.released = True
         self.prepared = PreparedWeights(ops, layers, lm)
 
     def _prepared(self) -> PreparedWeights:
@@ -412,6 +405,15 @@ def _tensors_in(obj, seen: set[int] | None = None) -> list[torch.Tensor]:
     if type(obj).__module__.startswith("workers.") and not isinstance(obj, (OpTable, nn.Module)):
         return _tensors_in(getattr(obj, "__dict__", {}), seen)  # a handle class of an op table
     return []
+
+
+@torch.no_grad()
+def _release(params, handles, keep: set[int]) -> None:
+    """Free the storage of each 2-d+ parameter no handle holds and not in keep (storage keys)."""
+    held = {_storage_key(t) for t in _tensors_in(handles)} | keep
+    for param in params:
+        if param.dim() >= 2 and param.numel() > 0 and _storage_key(param) not in held:
+            param.data = param.data.new_empty((0,) * param.dim())
 
 
 def _storage_key(t: torch.Tensor) -> int:
