@@ -7,9 +7,11 @@ Prints the CPU's flags and class, this machine's memory read bandwidth (a sum ov
 larger than the caches, all threads), then per compute dtype (fp32 activations over the bf16
 experts, and bf16 over bf16) and token count, each path's milliseconds per layer (median) and the
 bytes of expert weights it had to read (hit experts only) per second, and which path the table's
-own measurement picks. Each rep runs the next of `--layers` layers with fresh random routing (a
-trained router's is close to random), as a model's steps do: one layer's experts alone can sit
-in a large last-level cache and would report its bandwidth, not memory's. A script, not a test.
+own measurement picks (fp32 activations: the bf16 experts packed at prepare, "cpp-packed", the
+only path the table then has; "cpp" is timed on the unpacked experts for comparison). Each rep
+runs the next of `--layers` layers with fresh random routing (a trained router's is close to
+random), as a model's steps do: one layer's experts alone can sit in a large last-level cache and
+would report its bandwidth, not memory's. A script, not a test.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,8,64,256", help="token counts, comma separated (1024 is slow on 2 cores)")
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--layers", type=int, default=4, help="layers rotated through (1.2 GB of experts each)")
-    ap.add_argument("--paths", default="cpp,aten-mm,grouped-mm", help="paths to time (reference: slow)")
+    ap.add_argument("--paths", default="cpp-packed,cpp,aten-mm,grouped-mm", help="paths to time (reference: slow)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -74,6 +76,7 @@ def main() -> None:
     layers = [moe.prepare((torch.randn(E, 2 * INTER, HIDDEN, generator=gen) * HIDDEN ** -0.5).bfloat16(),
                           (torch.randn(E, HIDDEN, INTER, generator=gen) * INTER ** -0.5).bfloat16(), 0, E)
               for _ in range(a.layers)]
+    packed = [moe.prepare(layer.w13, layer.w2, 0, E, dtype=torch.float32) for layer in layers]  # cpp-packed's
     bytes_per_expert = (layers[0].w13[0].numel() + layers[0].w2[0].numel()) * layers[0].w13.element_size()
     paths = a.paths.split(",")
     print(f"# layer: {E} experts, top-{TOP_K}, hidden {HIDDEN}, intermediate {INTER}, bf16 experts "
@@ -88,14 +91,16 @@ def main() -> None:
             cells = []
             with torch.inference_mode():
                 for path in paths:
-                    if path not in moe.candidates(batches[0][0], layers[0]) and path != "reference":
+                    held = packed if path == "cpp-packed" else layers
+                    unfit = path not in moe.candidates(batches[0][0], held[0]) and path != "reference"
+                    if unfit or (path == "cpp-packed" and dtype != torch.float32):
                         cells.append(f"{'-':>14} {'-':>6}")
                         continue
-                    times = _path_seconds(moe, path, batches, layers)[1:]  # the first: warm-up
+                    times = _path_seconds(moe, path, batches, held)[1:]  # the first: warm-up
                     gbps = sum(hits[1:]) * bytes_per_expert / sum(times) / 1e9
                     cells.append(f"{statistics.median(times) * 1e3:14.2f} {gbps:6.1f}")
                 cpu_moe._chosen.clear()
-                chosen = moe.choose(*batches[0], layers[0], TOP_K, True)
+                chosen = moe.choose(*batches[0], (packed if dtype == torch.float32 else layers)[0], TOP_K, True)
             print(f"{t:>5} {statistics.mean(hits):5.1f} " + " ".join(cells) + f"  {chosen}")
 
 if __name__ == "__main__":

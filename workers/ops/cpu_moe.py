@@ -19,8 +19,9 @@ hit expert's weights once and is bound by memory, a large batch is bound by arit
 library's bf16 tiles win. So the first call of each (x dtype, weight dtype, tokens bucket, layer
 shape) times the candidates on that call's own input (at most MEASURE_TOKENS of its tokens, a warm
 run, and more of them where runs are quick) and the process keeps the winner. Narrower experts are
-packed and served by "cpp-packed" alone (measured faster than "cpp" at every batch size on an AVX2
-Zen 3: docs/benchmarks.md); "aten-mm" and "grouped-mm" would widen a copy.
+packed and served by "cpp-packed" alone (on an AVX2 Zen 3, within 5% of "cpp" at decode sizes and
+1.2-1.45x it at 512-2048 tokens: benchmarks/bench_moe.py, docs/benchmarks.md); "aten-mm" and
+"grouped-mm" would widen a copy.
 RAYLM_CPU_MOE=cpp-packed|cpp|aten-mm|grouped-mm|reference forces one (the "cpp" paths / "aten-mm"
 fail loudly where the kernels cannot be built). Without the kernels the table runs "grouped-mm" (widening the hit
 experts where the weights are narrower), or the reference where torch._grouped_mm cannot take the
