@@ -4,14 +4,17 @@ and to HF; each rank holds and reads only its part."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
 from scheduler.protocol import WorkerSampling
 from tests import oracle
-from tests.workers.moe_checkpoints import write_checkpoint
+from tests.workers.moe_checkpoints import hf_moe, write_checkpoint
 from tests.workers.tp_ranks import job, run_ranks
 from workers.loader import load_config, load_model
+from workers.ops import cpu_kernels
 from workers.parallel import TensorParallel
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
@@ -25,14 +28,21 @@ SEEDED = [WorkerSampling(temperature=1.0, top_k=20, seed=99 + i) for i in range(
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_tp")
-    return {name: write_checkpoint(name, root / name) for name in ("top2", "sparse_step")}
+    paths = {name: write_checkpoint(name, root / name) for name in ("top2", "sparse_step")}
+    bf16 = root / "top2_bf16"  # computing in fp32 on the CPU: experts packed at their width
+    hf_moe("top2").to(torch.bfloat16).save_pretrained(bf16)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{paths['top2']}/{f}", bf16 / f)
+    paths["top2_bf16"] = str(bf16)
+    return paths
 
 
 @pytest.fixture(scope="module")
 def runs(paths):
     jobs = [job(dict(RUNNER, model=paths["top2"]), PROMPTS, NEW, chunk=5),
             job(dict(RUNNER, model=paths["sparse_step"]), PROMPTS, NEW),
-            job(dict(RUNNER, model=paths["top2"]), PROMPTS, NEW, SEEDED)]
+            job(dict(RUNNER, model=paths["top2"]), PROMPTS, NEW, SEEDED),
+            job(dict(RUNNER, model=paths["top2_bf16"], dtype="float32"), PROMPTS, NEW)]
     return {"one": run_ranks(1, jobs), "tp": run_ranks(2, jobs), "ep": run_ranks(2, jobs, expert_parallel=True)}
 
 
@@ -43,6 +53,10 @@ def test_two_ranks_equal_one_and_hf(runs, paths, layout):
         assert runs["one"][i][0] == expected
         assert runs[layout][i][0] == expected
     assert runs[layout][2][0] == runs["one"][2][0]  # seeded sampling too
+    assert runs[layout][3][0] == runs["one"][3][0]  # bf16 experts packed per rank
+    assert runs["one"][3][1]["moe"]["experts_dtype"] == "bfloat16"
+    if cpu_kernels.load() is not None:
+        assert runs[layout][3][1]["ops"]["moe"].endswith(": cpp-packed")
 
 
 def test_expert_parallel_ranks_hold_whole_experts_and_tp_ranks_slices(runs):
