@@ -92,6 +92,17 @@ struct Routing {
   int64_t pairs() const { return offsets.back(); }
 };
 
+// sums[token(p)][c] += weight(p) * y[p - p0][c] for the m pairs from p0 and c < n (rows of ld floats)
+inline void add_weighted(const Routing& rt, int64_t p0, int64_t m, const float* y, float* sums, int64_t ld, int64_t n) {
+  for (int64_t q = 0; q < m; ++q) {
+    float* sum = sums + rt.token[p0 + q] * ld;
+    const float* yq = y + q * ld;
+    const float wt = rt.weight[p0 + q];
+#pragma omp simd
+    for (int64_t c = 0; c < n; ++c) sum[c] += wt * yq[c];
+  }
+}
+
 void check_args(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
                 const at::Tensor& ids, const at::Tensor& weights) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, hidden]");
@@ -161,13 +172,7 @@ void moe_blocked(const Routing& rt, const float* xf, const W* w13, const W* w2, 
         const int64_t m = std::min(kTokenChunk, rt.offsets[e + 1] - p0);
         for (int64_t n = 0; n < m; ++n) rows[n] = act + (p0 + n) * inter;
         gemv_rows(down, nh, inter, rows.data(), m, y.data(), cols, p0 + m < rt.offsets[e + 1] ? down : next);
-        for (int64_t n = 0; n < m; ++n) {
-          float* s = sums.data() + rt.token[p0 + n] * cols;
-          const float* yn = y.data() + n * cols;
-          const float wt = rt.weight[p0 + n];
-#pragma omp simd
-          for (int64_t h = 0; h < nh; ++h) s[h] += wt * yn[h];
-        }
+        add_weighted(rt, p0, m, y.data(), sums.data(), cols, nh);
       }
     }
     store(h0, nh, sums.data(), cols);
@@ -181,6 +186,23 @@ void store_cols(T* out, int64_t tokens, int64_t hidden, int64_t h0, int64_t n, c
     for (int64_t h = 0; h < n; ++h) out[t * hidden + h0 + h] = static_cast<T>(sums[t * ld + h]);
 }
 
+// writes fp32 sums [T, n] (row stride ld) into columns [h0, h0 + n) of out, rounded to out's dtype
+using ColumnStore = std::function<void(int64_t, int64_t, const float*, int64_t)>;
+ColumnStore column_store(at::Tensor& out) {
+  const int64_t T = out.size(0), hidden = out.size(1);
+  if (out.scalar_type() == at::kFloat)
+    return [&out, T, hidden](int64_t h0, int64_t n, const float* s, int64_t ld) {
+      store_cols(out.data_ptr<float>(), T, hidden, h0, n, s, ld);
+    };
+  if (out.scalar_type() == at::kBFloat16)
+    return [&out, T, hidden](int64_t h0, int64_t n, const float* s, int64_t ld) {
+      store_cols(out.data_ptr<c10::BFloat16>(), T, hidden, h0, n, s, ld);
+    };
+  return [&out, T, hidden](int64_t h0, int64_t n, const float* s, int64_t ld) {
+    store_cols(out.data_ptr<c10::Half>(), T, hidden, h0, n, s, ld);
+  };
+}
+
 // the weights' dtype W; x is widened to fp32 once (a no-op for fp32)
 template <typename W>
 void run_blocked(const Routing& rt, const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
@@ -188,19 +210,7 @@ void run_blocked(const Routing& rt, const at::Tensor& x, const at::Tensor& w13, 
   const int64_t T = x.size(0), hidden = x.size(1), inter = w2.size(2);
   const at::Tensor xs = x.to(at::kFloat).contiguous();
   at::Tensor act = at::empty({std::max<int64_t>(rt.pairs(), 1), inter}, xs.options());
-  std::function<void(int64_t, int64_t, const float*, int64_t)> store;
-  if (out.scalar_type() == at::kFloat)
-    store = [&](int64_t h0, int64_t n, const float* s, int64_t ld) {
-      store_cols(out.data_ptr<float>(), T, hidden, h0, n, s, ld);
-    };
-  else if (out.scalar_type() == at::kBFloat16)
-    store = [&](int64_t h0, int64_t n, const float* s, int64_t ld) {
-      store_cols(out.data_ptr<c10::BFloat16>(), T, hidden, h0, n, s, ld);
-    };
-  else
-    store = [&](int64_t h0, int64_t n, const float* s, int64_t ld) {
-      store_cols(out.data_ptr<c10::Half>(), T, hidden, h0, n, s, ld);
-    };
+  const auto store = column_store(out);
   moe_blocked(rt, xs.data_ptr<float>(), w13.data_ptr<W>(), w2.data_ptr<W>(), hidden, inter, act.data_ptr<float>(),
               T, store);
 }
@@ -318,13 +328,7 @@ void moe_packed(const Routing& rt, const float* xf, const W* w13, const W* w2, i
       y.resize(m * group);
       for (int64_t n = 0; n < m; ++n) rows[n] = act + (p0 + n) * inter;
       panels_gemm(w2 + e * p2 * inter * NR, hidden, inter, h0, nh, rows.data(), m, y.data(), group);
-      for (int64_t n = 0; n < m; ++n) {
-        float* sum = sums.data() + rt.token[p0 + n] * group;
-        const float* yn = y.data() + n * group;
-        const float wt = rt.weight[p0 + n];
-#pragma omp simd
-        for (int64_t c = 0; c < nh; ++c) sum[c] += wt * yn[c];
-      }
+      add_weighted(rt, p0, m, y.data(), sums.data(), group, nh);
     }
     store(h0, nh, sums.data(), group);
   });
@@ -353,19 +357,7 @@ void fused_moe_packed(at::Tensor out, at::Tensor x, at::Tensor w13p, at::Tensor 
   const at::Tensor xs = x.to(at::kFloat).contiguous();
   at::Tensor h = at::empty({std::max<int64_t>(rt.pairs(), 1), 2 * inter}, xs.options());
   at::Tensor act = at::empty({std::max<int64_t>(rt.pairs(), 1), inter}, xs.options());
-  std::function<void(int64_t, int64_t, const float*, int64_t)> store;
-  if (out.scalar_type() == at::kFloat)
-    store = [&](int64_t h0, int64_t n, const float* s, int64_t ld) {
-      store_cols(out.data_ptr<float>(), T, hidden, h0, n, s, ld);
-    };
-  else if (out.scalar_type() == at::kBFloat16)
-    store = [&](int64_t h0, int64_t n, const float* s, int64_t ld) {
-      store_cols(out.data_ptr<c10::BFloat16>(), T, hidden, h0, n, s, ld);
-    };
-  else
-    store = [&](int64_t h0, int64_t n, const float* s, int64_t ld) {
-      store_cols(out.data_ptr<c10::Half>(), T, hidden, h0, n, s, ld);
-    };
+  const auto store = column_store(out);
   const float* xf = xs.data_ptr<float>();
   switch (w13p.scalar_type()) {
     case at::kBFloat16:
