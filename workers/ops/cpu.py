@@ -10,7 +10,9 @@ with benchmarks/bench_gemm.py --packed (figures in docs/benchmarks.md):
   here; oneDNN's 1.2-2x at 64 rows, about even at 512+);
 - bf16/fp16 (AVX512-BF16 / AMX CPUs compute in bf16): "aten" (oneDNN under F.linear).
 RAYLM_CPU_LINEAR=aten|mkl-packed|onednn-packed overrides the choice; mkl-packed falls back to aten where
-the op is absent.
+the op is absent. An fp32 weight whose values are all bf16 values (a bf16 checkpoint computing in
+fp32) is also, or instead, read at bf16's width by raylm's narrow linear, as measured per weight
+shape when it is prepared (workers/ops/cpu_narrow.py).
 
 Norms, RoPE and SwiGLU ("elementwise"): raylm's fused C++ kernels (workers/ops/csrc/elementwise.cpp:
 add + RMSNorm, q/k RMSNorm + RoPE, silu * up, each one pass) for fp32, bf16 and fp16 tensors
