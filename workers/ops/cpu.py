@@ -152,19 +152,17 @@ class CPUOps(ReferenceOps):
         if rows == ALL:  # the bf16 copy alone: no wide one is made
             return self._narrow(None, narrow, weight, bias, ALL)
         handle = self._wide(weight, bias)
-        if narrow is None:
-            return handle
-        if rows is None:
+        if narrow is not None and rows is None:
             rows = choose_rows(cpu_kernels.load(), self.linear, handle, narrow, weight.shape[0])
             self.narrow_rows[tuple(weight.shape)] = rows
-        if rows == 0:
-            return handle
-        return self._narrow(None if rows == ALL else handle, narrow, weight, bias, rows)
+        if rows == ALL:
+            return self._narrow(None, narrow, weight, bias, ALL)  # the wide copy made to measure is dropped
+        self.linear_paths.add(linear_path(weight.dtype))
+        return handle if narrow is None or rows == 0 else self._narrow(handle, narrow, weight, bias, rows)
 
     def _wide(self, weight, bias):
         """weight prepared for the library GEMM of its dtype on this CPU."""
         path = linear_path(weight.dtype)
-        self.linear_paths.add(path)
         if path == "mkl-packed":
             return MKLPackedWeight(weight, bias)
         if path == "onednn-packed":

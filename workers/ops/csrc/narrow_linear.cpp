@@ -33,7 +33,9 @@ void run(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed) {
   const int64_t ldy = y.stride(0), panels = (rows + NR - 1) / NR;
   // tokens a block takes: its rows of x stay in L2 while the thread's panels stream past them
   const int64_t mc = std::max<int64_t>(MR, XBLOCK_BYTES / (K * static_cast<int64_t>(sizeof(float))) / MR * MR);
-  at::parallel_for(0, panels, 16, [&](int64_t begin, int64_t end) {
+  // chunks of up to 16 panels, but every thread busy on a weight of few panels (a 128-row router)
+  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(16, panels / at::get_num_threads()));
+  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i0 = 0; i0 < m; i0 += mc) {
       const int64_t i1 = std::min(m, i0 + mc);
       for (int64_t p = begin; p < end; ++p) {
