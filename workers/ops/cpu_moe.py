@@ -23,9 +23,9 @@ packed and served by "cpp-packed" alone (on an AVX2 Zen 3, within 5% of "cpp" at
 1.2-1.45x it at 512-2048 tokens: benchmarks/bench_moe.py, docs/benchmarks.md); "aten-mm" and
 "grouped-mm" would widen a copy.
 RAYLM_CPU_MOE=cpp-packed|cpp|aten-mm|grouped-mm|reference forces one (the "cpp" paths / "aten-mm"
-fail loudly where the kernels cannot be built). Without the kernels the table runs "grouped-mm" (widening the hit
-experts where the weights are narrower), or the reference where torch._grouped_mm cannot take the
-layer's sizes.
+fail loudly where the kernels cannot be built). Without the kernels the table runs "grouped-mm"
+(widening the hit experts where the weights are narrower), or the reference where
+torch._grouped_mm cannot take the layer's sizes.
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ MEASURE_TOKENS = 2048
 _QUICK_S = 0.01  # a warm run under QUICK is timed best of 3 more, a slower one best of 1 more
 
 log = logging.getLogger(__name__)
+_chosen: dict[tuple, str] = {}  # per process: (dtypes, bucket, shape, threads) -> the measured winner
+_reference = ReferenceOps()
 
 
 class PackedMoEWeights(MoEWeights):
@@ -63,9 +65,6 @@ class PackedMoEWeights(MoEWeights):
     @property
     def intermediate_size(self) -> int:
         return self.intermediate
-
-_chosen: dict[tuple, str] = {}  # per process: (dtypes, bucket, shape, threads) -> the measured winner
-_reference = ReferenceOps()
 
 
 def bucket(tokens: int) -> str:
@@ -127,12 +126,13 @@ class CPUMoE:
     def run(self, path: str, x: torch.Tensor, router_logits: torch.Tensor, experts: MoEWeights, top_k: int,
             renormalize: bool) -> torch.Tensor:
         """fused_moe through `path`."""
-        if path == "cpp-packed" or isinstance(experts, PackedMoEWeights):
-            if path != "cpp-packed":
-                raise ValueError(f"these experts are packed for the 'cpp-packed' MoE path, not {path!r}")
-            if not isinstance(experts, PackedMoEWeights):
-                raise ValueError("the 'cpp-packed' MoE path takes experts packed at prepare: set "
-                                 f"{ENV}=cpp-packed before the model is prepared")
+        packed = isinstance(experts, PackedMoEWeights)
+        if packed and path != "cpp-packed":
+            raise ValueError(f"these experts are packed for the 'cpp-packed' MoE path, not {path!r}")
+        if path == "cpp-packed" and not packed:
+            raise ValueError("the 'cpp-packed' MoE path takes experts packed at prepare: set "
+                             f"{ENV}=cpp-packed before the model is prepared")
+        if packed:
             weights, ids = route_tokens(router_logits, top_k, renormalize)
             out = torch.empty_like(x)
             self.kernels.fused_moe_packed(out, x.contiguous(), experts.w13, experts.w2, ids, weights,
