@@ -52,7 +52,7 @@ from workers.resident import ResidentOutputs
 from workers.runner_config import RunnerConfig, device_outputs_enabled
 from workers.sampling.grammar_masks import GrammarMasks
 from workers.sampling.logits_codec import encode_logits
-from workers.sampling.sampler import Sampler, row_logprobs
+from workers.sampling.sampler import Sampler, SamplerOutput, row_logprobs
 from workers.sampling.slot_sampling import SlotSampling
 from workers.slot_table import SlotTable
 from workers.staging import StepStaging
@@ -122,6 +122,7 @@ class ModelRunner:
         if config.prepare_structured_output and parallel.rank == 0:  # only rank 0 masks
             self.grammars.prepare()
         self.num_steps = 0
+        self.num_lm_head_argmax_steps = 0  # steps whose ids came from the lm_head fused with the argmax
         self.num_tokens = 0
         self.thread_probe: dict | None = None  # set when warmup chose the decode steps' thread count
         self.graphs: DecodeGraphs | None = self._capture_graphs(config, graph_device) if use_graphs else None
@@ -249,6 +250,7 @@ class ModelRunner:
         batch = self.slot_sampling.finish(upload, inputs.sampling_ints, inputs.sampling_floats) if upload else None
         b = len(inputs.slots)
         result.slots = inputs.slots
+        logits = greedy = None  # greedy: ids straight from the lm_head, when every row takes the argmax
         attn, t = inputs.attn, inputs.num_tokens
         if (self.graphs is not None and attn.num_decode == attn.num_seqs == t == b
                 and self.graphs.bucket_for(t) is not None):  # decode only: replay a captured step
@@ -263,16 +265,24 @@ class ModelRunner:
                 hidden = hidden.index_select(0, inputs.logits_indices)  # [B, hidden]
             if b == 0:
                 return
-            logits = self.outputs.get_rows("logits", b, (self.vocab_size,), torch.float32)
-            logits = self.model.compute_logits(hidden, out=logits)  # [B, V]; None on TP ranks > 0
+            if batch is not None and batch.argmax_only and not self.grammars.any_grammar(inputs.work):
+                greedy = self.model.greedy_ids(hidden, self.vocab_size)  # None under TP
+            if greedy is None:
+                logits = self.outputs.get_rows("logits", b, (self.vocab_size,), torch.float32)
+                logits = self.model.compute_logits(hidden, out=logits)  # [B, V]; None on TP ranks > 0
         if logits is not None:
             self.grammars.mask(logits, inputs.work)  # structured output: in place, before any sampling
         if not self.device_outputs:
             if logits is not None:
                 result.logits, result.logits_shape, result.logits_dtype = encode_logits(logits, self.vocab_size)
             return
-        if logits is not None:
+        out = None
+        if greedy is not None:
+            self.num_lm_head_argmax_steps += 1
+            out = SamplerOutput(token_ids=greedy.to(torch.int32))
+        elif logits is not None:
             out = self.sampler(logits, batch)
+        if out is not None:
             ids = out.token_ids  # [B] int32
         else:
             ids = self.outputs.get_rows("sampled_ids", b, (), torch.int32)  # filled by rank 0's broadcast
@@ -282,7 +292,7 @@ class ModelRunner:
         for w in inputs.work:
             w.state.has_resident = True
         result.logits_shape = (b, 0)
-        if logits is not None:
+        if out is not None:
             host_ids = ids.cpu().numpy()  # the step's one host copy
             result.token_ids = host_ids.tobytes()
             result.logprobs = row_logprobs(out, batch)
@@ -299,7 +309,7 @@ class ModelRunner:
                        self.num_kv_blocks * bs - 1))
         blocks = list(range((n + bs) // bs))  # room for n prompt tokens and one decode token
         greedy = WorkerSampling()
-        steps, tokens = self.num_steps, self.num_tokens
+        steps, tokens, argmax_steps = self.num_steps, self.num_tokens, self.num_lm_head_argmax_steps
         collective = self.parallel.collective_s, self.parallel.num_collectives
         try:
             self.execute(StepPlan(step_id=-1, new_requests=[NewRequest(0, [0] * n, 0, blocks, greedy)],
@@ -311,7 +321,7 @@ class ModelRunner:
             self.slots.clear()
             self.slot_sampling.clear()
             self.last_tokens.zero_()
-            self.num_steps, self.num_tokens = steps, tokens
+            self.num_steps, self.num_tokens, self.num_lm_head_argmax_steps = steps, tokens, argmax_steps
             self.parallel.collective_s, self.parallel.num_collectives = collective
         if (self.config.choose_decode_threads and self.cpu_threads is not None and self.cpu_threads[0] > 1
                 and not self.parallel.enabled):
@@ -331,7 +341,7 @@ class ModelRunner:
         token = USE_RESIDENT if self.device_outputs else 0
         decode = StepPlan(step_id=-1, rows=[ScheduledRow(i, 1, token=token) for i in range(rows)])
         times: dict[int, list[float]] = {threads: [], 1: []}
-        steps, tokens = self.num_steps, self.num_tokens
+        steps, tokens, argmax_steps = self.num_steps, self.num_tokens, self.num_lm_head_argmax_steps
         self.cpu_threads = None  # the probe sets the thread count itself
         try:
             self.execute(StepPlan(step_id=-1, new_requests=new, rows=[ScheduledRow(i, prompt) for i in range(rows)]))
@@ -347,7 +357,7 @@ class ModelRunner:
             self.slots.clear()
             self.slot_sampling.clear()
             self.last_tokens.zero_()
-            self.num_steps, self.num_tokens = steps, tokens
+            self.num_steps, self.num_tokens, self.num_lm_head_argmax_steps = steps, tokens, argmax_steps
         median = {t: sorted(v)[len(v) // 2] for t, v in times.items()}
         chosen = 1 if median[1] < DECODE_THREADS_MARGIN * median[threads] else threads
         self.cpu_threads = (chosen, prefill)
@@ -360,6 +370,7 @@ class ModelRunner:
         return {
             "steps": self.num_steps,
             "tokens": self.num_tokens,
+            "lm_head_argmax_steps": self.num_lm_head_argmax_steps,  # greedy steps that wrote no logits
             "active_slots": len(self.slots),
             "kv_blocks": self.num_kv_blocks,
             "kv_cache_bytes": self.kv_cache.nbytes,

@@ -82,3 +82,31 @@ def test_the_measured_choice_is_made_once_per_shape(small_weights_qualify, monke
     monkeypatch.setattr("workers.ops.cpu.choose_rows", lambda *a: pytest.fail("measured the same shape twice"))
     again = ops.prepare_linear(torch.randn(64, 256).bfloat16().float())
     assert (again.max_rows if isinstance(again, cpu_narrow.NarrowWeight) else 0) == rows
+
+
+@pytest.mark.parametrize("kept", ["all", "16"])
+def test_the_lm_head_fused_with_the_argmax_picks_the_logits_argmax(small_weights_qualify, monkeypatch, kept):
+    """Greedy ids straight from the bf16 copy: each row's argmax over the first n outputs, ties to
+    the lowest index and a NaN row to 0 as torch.argmax, across panels split among threads."""
+    monkeypatch.setenv(cpu_narrow.ENV, kept)
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(1000, 64, generator=gen).bfloat16().float()
+    weight[700] = weight[3]  # logits tie in every row: the lower index must win
+    weight[900] = weight[3]
+    ops = get_op_table("cpu", "cpu")
+    handle = ops.prepare_linear(weight)
+    assert isinstance(handle, cpu_narrow.NarrowWeight)
+    for rows in (1, 5, 16, 40, 300):
+        x = torch.randn(rows, 64, generator=gen)
+        x[0] = weight[3] * 50  # row 0's largest logit is the tied one, at 3, 700 and 900
+        if rows > 1:
+            x[1, 5] = float("nan")
+        for n in (1000, 950, 701, 17):  # the vocab trimmed: ids past n never win
+            want = ops.linear(x, handle)[:, :n].argmax(dim=-1)
+            got = ops.linear_argmax(x, handle, n)
+            assert got.dtype == torch.int64 and torch.equal(got, want), (rows, n)
+        assert ops.linear_argmax(x, handle, 1000)[0] == 3
+        if rows > 1:
+            assert ops.linear_argmax(x, handle, 1000)[1] == 0
+    with pytest.raises(RuntimeError, match="rows must be in"):
+        cpu_kernels.load().narrow_linear_argmax(x, handle.narrow, 2000)

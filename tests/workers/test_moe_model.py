@@ -147,6 +147,7 @@ def test_a_bf16_checkpoint_computing_in_fp32_holds_about_its_own_bytes(paths, tm
         driver.add(PROMPTS[1])
         outputs.append(driver.generate(8))
     assert outputs[0] == outputs[1]
+    assert runner.stats()["lm_head_argmax_steps"] > 0  # greedy ids came from the bf16 lm_head fused with argmax
 
 
 def _edit_checkpoint(src: str, dst, edit) -> str:

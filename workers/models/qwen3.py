@@ -388,6 +388,16 @@ class Qwen3ForCausalLM(nn.Module):
             return p.ops.linear_into(h, p.lm, out)
         return out.copy_(p.ops.linear(h, p.lm)[:, : out.shape[1]])
 
+    def greedy_ids(self, hidden: torch.Tensor, vocab: int) -> torch.Tensor | None:
+        """hidden [B, hidden] -> the argmax of each row's logits over the first `vocab` ids, int64
+        [B], with no [B, V] logits written where the op table fuses the lm_head with the argmax.
+        None under tensor parallelism (each rank holds a slice of the vocab: compute_logits)."""
+        if self.parallel.enabled:
+            return None
+        p = self._prepared()
+        h = p.ops.rms_norm(hidden, self.model.norm.weight, self.model.norm.eps)
+        return p.ops.linear_argmax(h, p.lm, vocab)
+
 
 def _tensors_in(obj, seen: set[int] | None = None) -> list[torch.Tensor]:
     """Every tensor an op table's prepared handle holds (handles are tensors, tuples, lists, dicts

@@ -134,6 +134,12 @@ class OpTable:
         weight, bias = handle
         return torch.nn.functional.linear(x, weight, bias)
 
+    def linear_argmax(self, x: torch.Tensor, handle, n: int) -> torch.Tensor:
+        """argmax over the first n outputs of linear(x) per row, int64 [T], ties to the lowest
+        index (greedy ids straight from the lm_head). Default: the logits, then their argmax; a
+        table with a fused kernel never writes the [T, n] logits."""
+        return self.linear(x, handle)[:, :n].argmax(dim=-1)
+
     def linear_into(self, x: torch.Tensor, handle, out: torch.Tensor) -> torch.Tensor:
         """linear(x) written into out [T, out'] (out' <= out features: only the first out' of them;
         the lm_head into the resident logits buffer). Default: compute, then copy."""

@@ -195,6 +195,11 @@ class CPUOps(ReferenceOps):
         weight, bias = handle
         return F.linear(x, weight, bias)
 
+    def linear_argmax(self, x, handle, n):
+        if isinstance(handle, NarrowWeight) and handle.bias is None and x.dim() == 2 and handle.takes(x):
+            return cpu_kernels.load().narrow_linear_argmax(x.contiguous(), handle.narrow, n)
+        return super().linear_argmax(x, handle, n)
+
     def linear_into(self, x, handle, out):
         if isinstance(handle, NarrowWeight):
             if handle.takes(x) and x.dim() == 2 and out.dtype == torch.float32 and out.stride(1) == 1:

@@ -136,6 +136,11 @@ class GrammarMasks:
                 except ValueError as e:
                     raise ValueError(f"new request for slot {req.slot}: {e}") from None
 
+    @staticmethod
+    def any_grammar(work: list[RowWork]) -> bool:
+        """Whether a row of `work` has a grammar (its logits must be masked before sampling)."""
+        return any(w.state.sampling.grammar is not None for w in work)
+
     def mask(self, logits: torch.Tensor, work: list[RowWork]) -> None:
         """logits [B, V] of the sampling rows `work` (in order): mask each constrained row."""
         rows = []

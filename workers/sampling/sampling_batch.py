@@ -66,6 +66,11 @@ class SamplingBatch:
     max_logprobs: int = 0  # n_max over the rows that asked
     penalties: PenaltyRows | None = None  # rows with penalties or logit_bias (workers/sampling/penalties.py)
 
+    @property
+    def argmax_only(self) -> bool:
+        """Every row's id is the argmax of its raw logits: greedy, with no penalties, bans or logprobs."""
+        return self.all_greedy and self.penalties is None and self.ban_rows is None and not self.logprob_rows
+
     @classmethod
     def build(cls, params: list[WorkerSampling], positions: list[int], device: torch.device,
               histories: list[tuple[list[int], list[int]] | None] | None = None,

@@ -6,9 +6,16 @@
 // The weight is packed once (narrow_pack) into panels, which panel_gemm.h's outer-product micro-kernel
 // reads. Panels are split among torch's threads; tokens go in blocks whose rows of x stay in L2 while
 // the thread's panels stream past them; small batches are one block, bound by reading the weight once.
+//
+// narrow_linear_argmax is the same product reduced to each row's argmax as it is computed (greedy
+// sampling straight from the lm_head): each panel's outputs for a block of tokens go to a tile that
+// stays in L1, so the [m, rows] logits are never written.
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <mutex>
 #include <vector>
 
 #include "panel_gemm.h"
@@ -23,27 +30,91 @@ using namespace raylm::panel;  // NOLINT: the micro-kernel's names
 
 constexpr int64_t XBLOCK_BYTES = XBLOCK_BYTES_;  // x a block of tokens may take (half a small L2)
 
+// How a product is split: x's rows by pointer, the tokens a block takes (its rows of x stay in L2
+// while a thread's panels stream past them), and the panels a thread's chunk takes (up to 16, but
+// every thread busy on a weight of few panels, a 128-row router).
+struct Split {
+  std::vector<const float*> xs;
+  int64_t m, K, rows, panels, mc, grain;
+
+  Split(const at::Tensor& x, int64_t rows_) : m(x.size(0)), K(x.size(1)), rows(rows_) {
+    xs.resize(m);
+    for (int64_t i = 0; i < m; ++i) xs[i] = x.data_ptr<float>() + i * x.stride(0);
+    panels = (rows + NR - 1) / NR;
+    mc = std::max<int64_t>(MR, XBLOCK_BYTES / (K * static_cast<int64_t>(sizeof(float))) / MR * MR);
+    grain = std::max<int64_t>(1, std::min<int64_t>(16, panels / at::get_num_threads()));
+  }
+};
+
 template <typename W>
 void run(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed) {
-  const int64_t m = x.size(0), K = x.size(1), rows = y.size(1);
-  std::vector<const float*> xs(m);
-  for (int64_t i = 0; i < m; ++i) xs[i] = x.data_ptr<float>() + i * x.stride(0);
+  const Split s(x, y.size(1));
   const W* wp = packed.data_ptr<W>();
   float* yp = y.data_ptr<float>();
-  const int64_t ldy = y.stride(0), panels = (rows + NR - 1) / NR;
-  // tokens a block takes: its rows of x stay in L2 while the thread's panels stream past them
-  const int64_t mc = std::max<int64_t>(MR, XBLOCK_BYTES / (K * static_cast<int64_t>(sizeof(float))) / MR * MR);
-  // chunks of up to 16 panels, but every thread busy on a weight of few panels (a 128-row router)
-  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(16, panels / at::get_num_threads()));
-  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t i0 = 0; i0 < m; i0 += mc) {
-      const int64_t i1 = std::min(m, i0 + mc);
+  const int64_t ldy = y.stride(0);
+  at::parallel_for(0, s.panels, s.grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i0 = 0; i0 < s.m; i0 += s.mc) {
+      const int64_t i1 = std::min(s.m, i0 + s.mc);
       for (int64_t p = begin; p < end; ++p) {
-        const int64_t n = std::min(NR, rows - p * NR);
-        panel_gemm(wp + p * K * NR, K, n, xs.data() + i0, i1 - i0, yp + i0 * ldy + p * NR, ldy);
+        const int64_t n = std::min(NR, s.rows - p * NR);
+        panel_gemm(wp + p * s.K * NR, s.K, n, s.xs.data() + i0, i1 - i0, yp + i0 * ldy + p * NR, ldy);
       }
     }
   });
+}
+
+// Each row's best (value, index) so far, ties to the lowest index and NaN above all, as torch.argmax
+struct Best {
+  std::vector<float> value;
+  std::vector<int64_t> index;  // -1: nothing seen yet
+
+  explicit Best(int64_t m) : value(m, 0.f), index(m, -1) {}
+
+  void offer(int64_t i, float v, int64_t j) {
+    const float b = value[i];
+    if (index[i] < 0 || v > b || (v != v && b == b)) {
+      value[i] = v;
+      index[i] = j;
+    }
+  }
+};
+
+// One panel's outputs for a block of tokens into a tile [m, NR]. Kept out of line: inlined into the
+// argmax's loop, the micro-kernel's accumulators spilled (2.5x slower on an AVX2 Zen 3).
+template <typename W>
+__attribute__((noinline)) void panel_tile(const W* panel, int64_t K, int64_t n, const float* const* x, int64_t m,
+                                          float* tile) {
+  panel_gemm(panel, K, n, x, m, tile, NR);
+}
+
+template <typename W>
+void run_argmax(at::Tensor& ids, const at::Tensor& x, const at::Tensor& packed, int64_t rows) {
+  const Split s(x, rows);
+  const W* wp = packed.data_ptr<W>();
+  std::mutex mu;
+  std::vector<std::pair<int64_t, Best>> parts;  // each chunk's rows' best, by the chunk's first panel
+  at::parallel_for(0, s.panels, s.grain, [&](int64_t begin, int64_t end) {
+    Best best(s.m);
+    std::vector<float> tile(s.mc * NR);
+    for (int64_t i0 = 0; i0 < s.m; i0 += s.mc) {
+      const int64_t i1 = std::min(s.m, i0 + s.mc);
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t n = std::min(NR, s.rows - p * NR);
+        panel_tile(wp + p * s.K * NR, s.K, n, s.xs.data() + i0, i1 - i0, tile.data());
+        for (int64_t i = i0; i < i1; ++i)
+          for (int64_t j = 0; j < n; ++j) best.offer(i, tile[(i - i0) * NR + j], p * NR + j);
+      }
+    }
+    const std::lock_guard<std::mutex> lock(mu);
+    parts.emplace_back(begin, std::move(best));
+  });
+  std::sort(parts.begin(), parts.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  Best all(s.m);  // chunks in panel order: a later chunk wins only by a larger value
+  for (const auto& part : parts)
+    for (int64_t i = 0; i < s.m; ++i)
+      if (part.second.index[i] >= 0) all.offer(i, part.second.value[i], part.second.index[i]);
+  int64_t* out = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < s.m; ++i) out[i] = all.index[i];
 }
 
 // w [rows, K] -> its panels [ceil(rows / NR), K, NR]
@@ -52,21 +123,42 @@ at::Tensor narrow_pack(at::Tensor w) {
   return pack_panels(w);
 }
 
+void check_operands(const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3, "narrow_linear takes a 2-d x and a packed w");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
+  TORCH_CHECK(x.stride(1) == 1 && packed.is_contiguous(), "x's rows and the packed w must be contiguous");
+  TORCH_CHECK(packed.size(2) == NR && packed.size(1) == x.size(1), "w must be packed by narrow_pack for x's width");
+  const auto wt = packed.scalar_type();
+  TORCH_CHECK(wt == at::kBFloat16 || wt == at::kHalf || wt == at::kFloat,
+              "w must be bfloat16, float16 or float32, got ", wt);
+}
+
+// f<W>() for the packed weight's element type
+template <typename F>
+void dispatch_weight(const at::Tensor& packed, F&& f) {
+  switch (packed.scalar_type()) {
+    case at::kBFloat16: return f(c10::BFloat16{});
+    case at::kHalf: return f(c10::Half{});
+    default: return f(float{});
+  }
+}
+
 // y [m, rows] (fp32, row stride >= rows) = x [m, K] (fp32, contiguous rows) @ w[:rows]^T, w packed
 void narrow_linear(at::Tensor y, at::Tensor x, at::Tensor packed) {
-  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && packed.dim() == 3, "narrow_linear takes 2-d x, y and a packed w");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat, "x and y must be float32");
-  TORCH_CHECK(x.stride(1) == 1 && y.stride(1) == 1 && packed.is_contiguous(),
-              "x and y rows, and the packed w, must be contiguous");
-  TORCH_CHECK(packed.size(2) == NR && packed.size(1) == x.size(1), "w must be packed by narrow_pack for x's width");
+  check_operands(x, packed);
+  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kFloat && y.stride(1) == 1, "y must be float32 with contiguous rows");
   TORCH_CHECK(y.size(0) == x.size(0) && y.size(1) <= packed.size(0) * NR, "y must be [x rows, <= w rows]");
   if (x.size(0) == 0 || y.size(1) == 0) return;
-  switch (packed.scalar_type()) {
-    case at::kBFloat16: return run<c10::BFloat16>(y, x, packed);
-    case at::kHalf: return run<c10::Half>(y, x, packed);
-    case at::kFloat: return run<float>(y, x, packed);
-    default: TORCH_CHECK(false, "w must be bfloat16, float16 or float32, got ", packed.scalar_type());
-  }
+  dispatch_weight(packed, [&](auto tag) { run<decltype(tag)>(y, x, packed); });
+}
+
+// argmax over j < rows of (x @ w^T)[i, j] for each row i of x (int64 [m]), w packed
+at::Tensor narrow_linear_argmax(at::Tensor x, at::Tensor packed, int64_t rows) {
+  check_operands(x, packed);
+  TORCH_CHECK(rows > 0 && rows <= packed.size(0) * NR, "rows must be in [1, w rows], got ", rows);
+  at::Tensor ids = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  if (x.size(0) > 0) dispatch_weight(packed, [&](auto tag) { run_argmax<decltype(tag)>(ids, x, packed, rows); });
+  return ids;
 }
 
 }  // namespace
@@ -74,9 +166,11 @@ void narrow_linear(at::Tensor y, at::Tensor x, at::Tensor packed) {
 TORCH_LIBRARY_FRAGMENT(raylm, m) {
   m.def("narrow_linear(Tensor(a!) y, Tensor x, Tensor w) -> ()");
   m.def("narrow_pack(Tensor w) -> Tensor");
+  m.def("narrow_linear_argmax(Tensor x, Tensor w, int rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(raylm, CPU, m) {
   m.impl("narrow_linear", &narrow_linear);
   m.impl("narrow_pack", &narrow_pack);
+  m.impl("narrow_linear_argmax", &narrow_linear_argmax);
 }
