@@ -5,6 +5,7 @@ ModelRunner + Scheduler loop in this process. HF transformers' runs are in hf_ru
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -152,9 +153,10 @@ async def _serve_once(llm, wl: Workload, rate: float, seed: int) -> dict:
 
 # ---- in-process: the bare step loop ------------------------------------------------------
 
-def run_bare(model, spec: EngineSpec, wl: Workload) -> tuple[dict, list[list[int]]]:
+def run_bare(model, spec: EngineSpec, wl: Workload, around_steps=None) -> tuple[dict, list[list[int]]]:
     """ModelRunner driven by the real Scheduler in this process: no Ray, no detokenizing,
-    no pipelining (each step's ids are known before the next is planned)."""
+    no pipelining (each step's ids are known before the next is planned). `around_steps`, a
+    context manager, is entered around the step loop alone (a profiler that must not see the start)."""
     from scheduler.request import Request
     from scheduler.scheduler import Scheduler
     from scheduler.scheduler_config import SchedulerConfig
@@ -173,18 +175,19 @@ def run_bare(model, spec: EngineSpec, wl: Workload) -> tuple[dict, list[list[int
             max_num_batched_tokens=spec.max_num_batched_tokens, max_model_len=runner.max_model_len))
         reqs = [Request(f"bare-{i}", list(p), sp) for i, (p, sp) in enumerate(zip(wl.prompts, greedy_params(wl)))]
         steps, decode_steps, worker_time = 0, 0, 0.0
-        t0 = time.perf_counter()
-        for r in reqs:
-            r.arrival_time = time.monotonic()
-            sched.add_request(r)
-        while sched.has_unfinished():
-            plan = sched.schedule()
-            result = runner.execute(plan)
-            worker_time += result.step_time
-            steps += 1
-            decode_steps += bool(plan.rows) and all(row.token is not None for row in plan.rows)
-            sched.update(result)
-        elapsed = time.perf_counter() - t0
+        with around_steps or contextlib.nullcontext():
+            t0 = time.perf_counter()
+            for r in reqs:
+                r.arrival_time = time.monotonic()
+                sched.add_request(r)
+            while sched.has_unfinished():
+                plan = sched.schedule()
+                result = runner.execute(plan)
+                worker_time += result.step_time
+                steps += 1
+                decode_steps += bool(plan.rows) and all(row.token is not None for row in plan.rows)
+                sched.update(result)
+            elapsed = time.perf_counter() - t0
     finally:
         runner.close()
     fig = throughput_figures(wl, elapsed, sum(len(r.output_token_ids) for r in reqs), [r.ttft for r in reqs],

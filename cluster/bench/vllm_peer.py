@@ -15,6 +15,7 @@ with exactly the vocab's ids, so neither side trims the vocab) that both engines
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -92,8 +93,10 @@ class VLLMPeer:
 
     def __init__(self, checkpoint: str, *, dtype: str, max_num_seqs: int, max_num_batched_tokens: int,
                  block_size: int | None, threads: int, kv_space_gib: int = 4, venv: str | None = None,
-                 max_model_len: int | None = None, log_path: str | None = None) -> None:
+                 max_model_len: int | None = None, log_path: str | None = None, profile: bool = False) -> None:
         env = dict(os.environ)
+        if profile:  # the engine core in the script's own process, where torch.profiler sees its ops
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         env.update(VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
                    VLLM_CPU_NUM_OF_RESERVED_CPU="0", OMP_NUM_THREADS=str(threads),
                    # a loaded machine can take more than vLLM's default 10 minutes to compile and warm up
@@ -106,11 +109,12 @@ class VLLMPeer:
         t0 = time.perf_counter()
         self._send({"model": checkpoint, "dtype": dtype, "max_num_seqs": max_num_seqs,
                     "max_num_batched_tokens": max_num_batched_tokens, "block_size": block_size,
-                    "max_model_len": max_model_len})
+                    "max_model_len": max_model_len, "profile": profile})
         ready = self._receive()
         self.launch_s = time.perf_counter() - t0
         self.version = ready.get("version")
         self.dtype = dtype
+        self.last_profile = None
         self._signal(signal.SIGSTOP)
 
     def _signal(self, sig: int) -> None:
@@ -139,13 +143,15 @@ class VLLMPeer:
         raise RuntimeError(f"vLLM peer exited with code {self.proc.wait()} (see its log)")
 
     def run(self, prompts: list[list[int]], output_lens: list[int]) -> tuple[float, list[list[int]]]:
-        """Wall seconds for the whole batch, and each request's output ids."""
+        """Wall seconds for the whole batch, and each request's output ids. A peer started with
+        profile=True keeps the run's op rows (`op_rows`) in `last_profile`."""
         self._signal(signal.SIGCONT)
         try:
             self._send({"prompts": prompts, "output_lens": output_lens})
             msg = self._receive()
         finally:
             self._signal(signal.SIGSTOP)
+        self.last_profile = msg.get("profile")
         return msg["elapsed"], msg["outputs"]
 
     def close(self) -> None:
@@ -163,6 +169,15 @@ class VLLMPeer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# ---- both sides -----------------------------------------------------------------------------
+
+def op_rows(prof) -> list[dict]:
+    """A finished torch.profiler run as plain rows (op name, input shapes, self CPU microseconds,
+    calls), for `cluster.bench.op_profile` to sort into categories. Needs record_shapes=True."""
+    return [{"op": e.key, "shapes": str(e.input_shapes), "self_us": e.self_cpu_time_total, "calls": e.count}
+            for e in prof.key_averages(group_by_input_shape=True) if e.self_cpu_time_total > 0]
 
 
 # ---- script side (the peers venv; imports nothing of raylm) --------------------------------
@@ -203,10 +218,18 @@ def serve_requests() -> None:
         prompts = [TokensPrompt(prompt_token_ids=p) for p in msg["prompts"]]
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
                   for n in msg["output_lens"]]
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - t0
-        _reply({"elapsed": elapsed, "outputs": [list(o.outputs[0].token_ids) for o in outs]})
+        reply = {}
+        with contextlib.ExitStack() as stack:
+            if config.get("profile"):
+                from torch.profiler import ProfilerActivity, profile
+                prof = stack.enter_context(profile(activities=[ProfilerActivity.CPU], record_shapes=True))
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            reply["elapsed"] = time.perf_counter() - t0
+        if config.get("profile"):
+            reply["profile"] = op_rows(prof)
+        reply["outputs"] = [list(o.outputs[0].token_ids) for o in outs]
+        _reply(reply)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 
+from cluster.bench.op_profile import BETWEEN, category, summarize
 from cluster.bench.vllm_peer import VLLMPeer, peers_python
 
 FAKE_VLLM = '''
@@ -56,6 +57,8 @@ class LLM:
     def generate(self, prompts, params, use_tqdm=False):
         if not isinstance(params, list):
             params = [params] * len(prompts)
+        import torch  # some op work a profiled run sees (the fake runs on raylm's own python)
+        torch.mm(torch.ones(4, 8), torch.ones(8, 1000))
         # each output: the prompt's first id, its length, then the run number, to max_tokens
         return [_Output(([p["prompt_token_ids"][0], len(p["prompt_token_ids"])] + [self.resets] * s.max_tokens)
                         [: s.max_tokens]) for p, s in zip(prompts, params)]
@@ -80,9 +83,9 @@ def fake_venv(tmp_path):
     return str(tmp_path / "venv")
 
 
-def peer(venv, model="ckpt"):
+def peer(venv, model="ckpt", **kw):
     return VLLMPeer(model, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, block_size=16,
-                    threads=1, venv=venv)
+                    threads=1, venv=venv, **kw)
 
 
 def test_requests_go_over_and_outputs_come_back_in_order_with_the_cache_reset_each_run(fake_venv):
@@ -121,3 +124,30 @@ def test_the_peer_is_stopped_between_runs_so_it_takes_no_cpu_from_the_next_syste
         assert outs == [[7, 3]]
         assert _state(p.proc.pid) == "T"  # stopped again once its run is back
     assert p.proc.poll() is not None  # a stopped peer still closes
+
+
+def test_a_profiled_peer_sends_its_op_rows_and_they_sort_into_categories(fake_venv):
+    with peer(fake_venv, profile=True) as p:
+        elapsed, outs = p.run([[7, 8, 9]], [2])
+        rows = p.last_profile
+    assert outs == [[7, 3]]
+    mm = [r for r in rows if r["op"] == "aten::mm"]
+    assert len(mm) == 1 and mm[0]["calls"] == 1 and "1000" in mm[0]["shapes"]
+    spent = summarize(rows, elapsed, vocab_size=1000)
+    assert spent["GEMM, lm_head"] == pytest.approx(mm[0]["self_us"] / 1e6)  # its shape holds the vocab
+    assert spent[BETWEEN] >= 0 and sum(spent.values()) == pytest.approx(max(elapsed, sum(
+        r["self_us"] for r in rows) / 1e6))
+    with peer(fake_venv) as p:
+        p.run([[7]], [1])
+        assert p.last_profile is None  # not profiled unless asked
+
+
+def test_op_categories():
+    assert category("raylm::narrow_linear", "[[64, 6144], [64, 1024]]", 151936) == "GEMM, layers"
+    assert category("_C::onednn_mm", "[[64, 151936], [64, 1024]]", 151936) == "GEMM, lm_head"
+    assert category("_C::cpu_attention_with_kv_cache", "[]", 151936) == "attention"
+    assert category("raylm::silu_and_mul", "[]", 151936) == "norms, RoPE, SwiGLU"
+    assert category("aten::argmax", "[]", 151936) == "sampling over the vocab"
+    assert category("## Call CompiledFxGraph None ##", "[]", 151936) == "compiled elementwise (inductor)"
+    assert category("aten::index_select", "[]", 151936) == "copies, indexing, cache writes"
+    assert category("aten::something_new", "[]", 151936) == "other ops"
