@@ -100,6 +100,8 @@ class ModelRunner:
         with torch.no_grad():
             # weights fused / packed once; one the table copied is not held twice (a caller's model stays whole)
             self.model.prepare(self.ops, logits_rows=self.vocab_size, release=not given)
+        if self._narrow_embedding is not None:  # a tied one, now that the lm_head holds its own copy
+            self.model.store_embedding(self._narrow_embedding)
         self.max_model_len = config.max_model_len or mc.max_model_len
         if self.max_model_len > mc.max_model_len:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
@@ -151,9 +153,11 @@ class ModelRunner:
         if model.dtype != dtype or model.model.embed_tokens.weight.device != self.device:
             model = cast_model(model, dtype, self.device, copy=given,  # a caller's model stays as it was
                                expert_dtype=expert_dtype_for(self.weights_dtype, dtype))
+        self._narrow_embedding = None  # the dtype the embedding is kept in, when narrower than dtype
         if dtype != self.weights_dtype:
             log.info("%s weights compute in %s on %s", self.weights_dtype, dtype, self.device)
             if stored is not None and stored.itemsize < dtype.itemsize and self.device.type == "cpu":
+                self._narrow_embedding = stored
                 model.store_embedding(stored)  # the checkpoint's values: exact at its width
         return model, tokenizer_size
 

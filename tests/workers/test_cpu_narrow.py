@@ -110,3 +110,46 @@ def test_the_lm_head_fused_with_the_argmax_picks_the_logits_argmax(small_weights
             assert ops.linear_argmax(x, handle, 1000)[1] == 0
     with pytest.raises(RuntimeError, match="rows must be in"):
         cpu_kernels.load().narrow_linear_argmax(x, handle.narrow, 2000)
+
+
+def test_a_tied_bf16_checkpoint_computing_in_fp32_holds_about_its_own_bytes(small_weights_qualify, monkeypatch,
+                                                                           tmp_path):
+    """The lm_head kept as its own bf16 copy, the tied embedding it was prepared from goes to bf16
+    too (lookups widen): the checkpoint's bytes at its width, plus the embedding's second layout
+    (the lm_head's panels); tokens the reference's."""
+    import shutil
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.plans import PlanDriver
+    from workers.loader import bundled_model_path
+    from workers.runner import ModelRunner
+    from workers.runner_config import RunnerConfig
+
+    monkeypatch.setenv(cpu_narrow.ENV, "all")
+    src = bundled_model_path()
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    assert hf.config.tie_word_embeddings
+    hf.save_pretrained(tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{src}/{f}", tmp_path / f)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    stored = sum(t.nbytes for t in state.values())
+    embedding = state["model.embed_tokens.weight"].nbytes
+
+    def runner(ops):
+        return ModelRunner(RunnerConfig(model=str(tmp_path), ops=ops, dtype="float32", block_size=4,
+                                        num_kv_blocks=64, max_num_seqs=4))
+
+    fast = runner("cpu")
+    stats = fast.stats()
+    assert stats["dtype"] == "float32" and stats["weights_dtype"] == "bfloat16"
+    # past the checkpoint's bytes: the lm_head's panels and the fp32 norms (an fp32 embedding: 2 x embedding)
+    assert stats["weight_bytes"] <= 1.05 * stored + embedding
+    outputs = []
+    for r in (fast, runner("reference")):
+        driver = PlanDriver(r)
+        driver.add([5, 100, 200, 7, 7, 9])
+        outputs.append(driver.generate(12))
+    assert outputs[0] == outputs[1]

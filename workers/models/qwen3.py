@@ -305,12 +305,17 @@ class Qwen3ForCausalLM(nn.Module):
         return out.copy_(torch.index_select(weight, 0, ids))
 
     def store_embedding(self, dtype: torch.dtype) -> None:
-        """Keep an untied embedding in `dtype` (narrower than the compute dtype where every value
-        fits, e.g. a bf16 checkpoint's: exact, half the bytes; lookups widen the rows they read).
-        A tied one is the lm_head's weight too, which the op table prepares: left as it is."""
-        if not self.config.tie_word_embeddings:
-            weight = self.model.embed_tokens.weight
-            weight.data = weight.data.to(dtype)
+        """Keep the embedding in `dtype` (narrower than the compute dtype where every value fits,
+        e.g. a bf16 checkpoint's: exact, half the bytes; lookups widen the rows they read). A tied
+        one is the lm_head's weight too: narrowed only once the op table's lm_head handle holds a
+        copy of its own (then lookups alone read it), else left as it is."""
+        weight = self.model.embed_tokens.weight
+        if self.config.tie_word_embeddings:
+            if self.prepared.ops is None or not self.released:
+                return  # the lm_head may still be prepared from it, or read it where it lies
+            if _storage_key(weight) in {_storage_key(t) for t in _tensors_in(self.prepared.lm)}:
+                return
+        weight.data = weight.data.to(dtype)
 
     def weight_bytes(self) -> int:
         """The bytes of weights held: the parameters and the op table's prepared copies, each
