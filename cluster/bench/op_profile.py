@@ -29,8 +29,9 @@ def category(op: str, shapes: str, vocab_size: int) -> str:
     low = op.lower()
     for name, fragments in CATEGORIES:
         if any(f.lower() in low for f in fragments):
-            if name == "GEMM":
-                return "GEMM, lm_head" if str(vocab_size) in shapes else "GEMM, layers"
+            if name == "GEMM":  # the lm_head's weight has the vocab's rows; fused with the argmax, no shape says so
+                lm_head = str(vocab_size) in shapes or "argmax" in low
+                return "GEMM, lm_head" if lm_head else "GEMM, layers"
             return name
     return "other ops"
 
