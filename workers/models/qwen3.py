@@ -271,6 +271,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.register_buffer("inv_freq", config.inv_freq("cpu"), persistent=False)
         self.prepared = PreparedWeights()  # set by prepare(ops)
         self.released = False  # set by prepare(release=True)
+        self.embedding_in_lm_head = False  # a tied embedding's lookups read the lm_head's prepared copy
 
     def tie_weights(self) -> None:
         """Re-point lm_head at the embedding (after `to_empty`, which unties them)."""
@@ -299,6 +300,8 @@ class Qwen3ForCausalLM(nn.Module):
         return self.parallel.all_reduce(out)
 
     def _lookup(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self.embedding_in_lm_head:
+            return self.prepared.ops.linear_rows(self.prepared.lm, ids, out)
         weight = self.model.embed_tokens.weight
         if weight.dtype == out.dtype:
             return torch.index_select(weight, 0, ids, out=out)
@@ -307,13 +310,23 @@ class Qwen3ForCausalLM(nn.Module):
     def store_embedding(self, dtype: torch.dtype) -> None:
         """Keep the embedding in `dtype` (narrower than the compute dtype where every value fits,
         e.g. a bf16 checkpoint's: exact, half the bytes; lookups widen the rows they read). A tied
-        one is the lm_head's weight too: narrowed only once the op table's lm_head handle holds a
-        copy of its own (then lookups alone read it), else left as it is."""
+        one is the lm_head's weight too: left as it is until the op table's lm_head handle holds a
+        copy of its own; then, where the table can read every row back from that copy, lookups do
+        and the embedding is freed (held once), else it is narrowed."""
         weight = self.model.embed_tokens.weight
         if self.config.tie_word_embeddings:
-            if self.prepared.ops is None or not self.released:
+            if self.prepared.ops is None or not self.released or weight.numel() == 0:
                 return  # the lm_head may still be prepared from it, or read it where it lies
             if _storage_key(weight) in {_storage_key(t) for t in _tensors_in(self.prepared.lm)}:
+                return
+            probe = torch.arange(min(2, weight.shape[0]), device=weight.device)
+            row = torch.empty(len(probe), weight.shape[1], dtype=self.dtype, device=weight.device)
+            rows = weight.shape[0]
+            if (self.prepared.ops.linear_rows(self.prepared.lm, probe, row) is not None
+                    and getattr(self.prepared.lm, "out_features", rows) == rows
+                    and torch.equal(row, weight[probe].to(self.dtype))):
+                weight.data = weight.data.new_empty((0, 0))
+                self.embedding_in_lm_head = True
                 return
         weight.data = weight.data.to(dtype)
 

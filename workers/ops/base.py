@@ -140,6 +140,15 @@ class OpTable:
         table with a fused kernel never writes the [T, n] logits."""
         return self.linear(x, handle)[:, :n].argmax(dim=-1)
 
+    def linear_rows(self, handle, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+        """Rows `ids` of a prepared linear's weight, widened into out [T, in] (a tied embedding's
+        lookups served by the lm_head's handle); None where the handle cannot give them back."""
+        if isinstance(handle, tuple):
+            weight = handle[0]
+            return out.copy_(weight.index_select(0, ids)) if weight.dtype != out.dtype else \
+                torch.index_select(weight, 0, ids, out=out)
+        return None
+
     def linear_into(self, x: torch.Tensor, handle, out: torch.Tensor) -> torch.Tensor:
         """linear(x) written into out [T, out'] (out' <= out features: only the first out' of them;
         the lm_head into the resident logits buffer). Default: compute, then copy."""

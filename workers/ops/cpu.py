@@ -200,6 +200,14 @@ class CPUOps(ReferenceOps):
             return cpu_kernels.load().narrow_linear_argmax(x.contiguous(), handle.narrow, n)
         return super().linear_argmax(x, handle, n)
 
+    def linear_rows(self, handle, ids, out):
+        if isinstance(handle, NarrowWeight):
+            if handle.wide is not None or out.dtype != torch.float32 or out.stride(1) != 1:
+                return None
+            cpu_kernels.load().narrow_rows(out, handle.narrow, ids)
+            return out
+        return super().linear_rows(handle, ids, out)
+
     def linear_into(self, x, handle, out):
         if isinstance(handle, NarrowWeight):
             if handle.takes(x) and x.dim() == 2 and out.dtype == torch.float32 and out.stride(1) == 1:

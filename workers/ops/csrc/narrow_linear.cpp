@@ -9,13 +9,15 @@
 //
 // narrow_linear_argmax is the same product reduced to each row's argmax as it is computed (greedy
 // sampling straight from the lm_head): each panel's outputs for a block of tokens go to a tile that
-// stays in L1, so the [m, rows] logits are never written.
+// stays in L1, so the [m, rows] logits are never written. narrow_rows reads rows of a packed weight
+// back, widened: a tied embedding's lookups served by the lm_head's panels, so it is held once.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #include "panel_gemm.h"
@@ -161,16 +163,45 @@ at::Tensor narrow_linear_argmax(at::Tensor x, at::Tensor packed, int64_t rows) {
   return ids;
 }
 
+// out [T, K] (fp32) = rows ids [T] of the packed w, widened (exact: an embedding lookup)
+void narrow_rows(at::Tensor out, at::Tensor packed, at::Tensor ids) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NR && packed.is_contiguous(), "w must be packed by narrow_pack");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be a 1-d int64 tensor");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.stride(1) == 1 && out.size(0) == ids.size(0) &&
+                  out.size(1) == packed.size(1),
+              "out must be float32 [ids, w's width] with contiguous rows");
+  const int64_t K = packed.size(1), rows = packed.size(0) * NR, T = ids.size(0), ldo = out.stride(0);
+  const at::Tensor idc = ids.contiguous();
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < rows, "id ", ip[t], " is outside w's ", rows, " rows");
+  float* op = out.data_ptr<float>();
+  dispatch_weight(packed, [&](auto tag) {
+    using W = decltype(tag);
+    const W* wp = packed.data_ptr<W>();
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t j = ip[t] % NR;  // bf16 panels interleave their halves (pack_panels)
+        const int64_t slot = std::is_same_v<W, c10::BFloat16> ? (j < VL ? 2 * j : 2 * (j - VL) + 1) : j;
+        const W* src = wp + (ip[t] / NR) * K * NR + slot;
+        float* o = op + t * ldo;
+        for (int64_t k = 0; k < K; ++k) o[k] = static_cast<float>(src[k * NR]);
+      }
+    });
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(raylm, m) {
   m.def("narrow_linear(Tensor(a!) y, Tensor x, Tensor w) -> ()");
   m.def("narrow_pack(Tensor w) -> Tensor");
   m.def("narrow_linear_argmax(Tensor x, Tensor w, int rows) -> Tensor");
+  m.def("narrow_rows(Tensor(a!) out, Tensor w, Tensor ids) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(raylm, CPU, m) {
   m.impl("narrow_linear", &narrow_linear);
   m.impl("narrow_pack", &narrow_pack);
   m.impl("narrow_linear_argmax", &narrow_linear_argmax);
+  m.impl("narrow_rows", &narrow_rows);
 }
