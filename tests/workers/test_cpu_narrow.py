@@ -165,3 +165,5 @@ def test_rows_read_back_from_the_panels_are_the_weights_rows(small_weights_quali
                        weight[ids])
     with pytest.raises(RuntimeError, match="id 10000 is outside w's"):
         ops.linear_rows(handle, torch.tensor([10000]), torch.empty(1, 40))
+    with pytest.raises(RuntimeError, match="w must be bfloat16, float16 or float32, got Char"):
+        cpu_kernels.load().narrow_rows(torch.empty(1, 40), handle.narrow.to(torch.int8), torch.tensor([0]))

@@ -125,14 +125,18 @@ at::Tensor narrow_pack(at::Tensor w) {
   return pack_panels(w);
 }
 
-void check_operands(const at::Tensor& x, const at::Tensor& packed) {
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3, "narrow_linear takes a 2-d x and a packed w");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
-  TORCH_CHECK(x.stride(1) == 1 && packed.is_contiguous(), "x's rows and the packed w must be contiguous");
-  TORCH_CHECK(packed.size(2) == NR && packed.size(1) == x.size(1), "w must be packed by narrow_pack for x's width");
+void check_packed(const at::Tensor& packed) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NR && packed.is_contiguous(), "w must be packed by narrow_pack");
   const auto wt = packed.scalar_type();
   TORCH_CHECK(wt == at::kBFloat16 || wt == at::kHalf || wt == at::kFloat,
               "w must be bfloat16, float16 or float32, got ", wt);
+}
+
+void check_operands(const at::Tensor& x, const at::Tensor& packed) {
+  check_packed(packed);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "x must be a 2-d float32 tensor with contiguous rows");
+  TORCH_CHECK(packed.size(1) == x.size(1), "w must be packed for x's width");
 }
 
 // f<W>() for the packed weight's element type
@@ -165,7 +169,7 @@ at::Tensor narrow_linear_argmax(at::Tensor x, at::Tensor packed, int64_t rows) {
 
 // out [T, K] (fp32) = rows ids [T] of the packed w, widened (exact: an embedding lookup)
 void narrow_rows(at::Tensor out, at::Tensor packed, at::Tensor ids) {
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NR && packed.is_contiguous(), "w must be packed by narrow_pack");
+  check_packed(packed);
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be a 1-d int64 tensor");
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.stride(1) == 1 && out.size(0) == ids.size(0) &&
                   out.size(1) == packed.size(1),
