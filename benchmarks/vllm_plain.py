@@ -1,5 +1,6 @@
 """vLLM as a user would time it offline: one fresh process, `LLM(...)` with vLLM's defaults but for
-the dtype, warmed up, then every request handed to one `LLM.generate` call. The check on the bench's
+the dtype and the batch limits every contender gets, warmed up, then every request handed to one
+`LLM.generate` call. The check on the bench's
 peer harness (cluster/bench/vllm_peer.py): `bench_vllm_bare.py --plain` writes its workload to a
 JSON file, runs this script with the peers venv's python, and prints both figures side by side.
 
