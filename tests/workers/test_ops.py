@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from workers.kv_cache import KVCache
 from workers.ops import get_op_table
+from workers.ops.cpu_attention import KERNEL_CHUNK_TOKENS
 from workers.ops.metadata import SequenceRows, build_metadata
 
 
@@ -181,11 +182,33 @@ def test_without_a_compiler_the_cpu_table_gathers_and_says_why(monkeypatch):
         get_op_table("cpu", "cpu")
 
 
-def test_a_half_precision_model_gets_the_gather_path_on_the_cpu(monkeypatch):
-    monkeypatch.delenv("RAYLM_CPU_ATTENTION", raising=False)
+@needs_cxx
+@pytest.mark.parametrize("backend", ["paged", "paged-portable"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("seed", [0, 1, 3])  # seeds whose batches have decode rows
+def test_paged_cpu_attention_reads_a_half_precision_pool_and_rounds_once(seed, dtype, backend, monkeypatch):
+    """A bf16 / fp16 model's pool is read at its width: the rows the kernel attends (decode rows and
+    short chunks after a cached prefix) are the fp32 attention over the same half-precision keys
+    and values, rounded once to the dtype (within one of its ulps); over all rows (fresh prompts go
+    through SDPA in the dtype, as the reference's) no farther from it than the reference."""
+    monkeypatch.setenv("RAYLM_CPU_ATTENTION", backend)
     ops = get_op_table("cpu", "cpu")
-    ops.prepare_linear(torch.zeros(8, 8, dtype=torch.bfloat16))
-    assert ops.describe()["attention"] == "gather-sdpa"  # the C++ kernel computes fp32 only
+    ops.prepare_linear(torch.zeros(8, 8, dtype=dtype))  # a half-precision model keeps the kernel
+    assert ops.describe()["attention"] == {"paged": "paged-cpp", "paged-portable": "paged-cpp-portable"}[backend]
+    cache, seqs, d, contexts, q, k, v = random_batch(seed, block_size=16, num_kv_heads=8, group=2, head_dim=128,
+                                                     num_blocks=128, dtype=dtype)
+    other = copy.copy(cache)
+    other.data = cache.data.clone()
+    out = run_attention(None, cache, seqs, d, q, k, v, ops=ops)
+    assert out.dtype == dtype
+    exact = dense_attention(seqs, [(kc.float(), vc.float()) for kc, vc in contexts], q.float(), k.float(), v.float())
+    ulp = 2.0 ** -(7 if dtype == torch.bfloat16 else 10)
+    err = (out.float() - exact).abs()
+    by_kernel = torch.cat([torch.full((s.num_tokens,), s.start > 0 and s.num_tokens <= KERNEL_CHUNK_TOKENS)
+                           for s in seqs])
+    assert (err[by_kernel] <= ulp * exact[by_kernel].abs().clamp_min(2 ** -6)).all()
+    reference_err = (run_attention("reference", other, seqs, d, q, k, v).float() - exact).abs()
+    assert err.mean() <= reference_err.mean() * 1.05
 
 
 def test_an_unknown_cpu_attention_backend_is_refused(monkeypatch):

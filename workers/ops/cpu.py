@@ -35,11 +35,11 @@ import torch
 import torch.nn.functional as F
 
 from workers.ops import cpu_kernels
-from workers.ops.cpu_attention import PagedAttention, make_cpu_attention
+from workers.ops.cpu_attention import make_cpu_attention
 from workers.ops.cpu_features import cpu_class, has_mkl_packed_linear, has_onednn_packed_linear
 from workers.ops.cpu_moe import CPUMoE
 from workers.ops.cpu_narrow import ALL, NarrowWeight, bf16_copy, choose_rows, forced_rows, narrow_linear
-from workers.ops.reference import GatherSDPAAttention, ReferenceOps
+from workers.ops.reference import ReferenceOps
 
 LINEAR_PATHS = ("aten", "mkl-packed", "onednn-packed")
 # the fp32 linear path per CPU class, as measured (docs/benchmarks.md)
@@ -143,8 +143,6 @@ class CPUOps(ReferenceOps):
         return out
 
     def prepare_linear(self, weight, bias=None):
-        if weight.dtype != torch.float32 and isinstance(self.attention, PagedAttention):
-            self.attention = GatherSDPAAttention()  # the kernel computes in fp32 only
         narrow = self._narrow_copy(weight)
         rows = None if narrow is None else forced_rows()
         if rows is None and narrow is not None:

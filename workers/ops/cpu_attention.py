@@ -4,8 +4,9 @@
   built once per machine by workers/ops/cpu_kernels.py) reads every decode row's keys and values
   where they lie in the pool, and a prefill chunk's after a cached prefix; a chunk with nothing
   cached attends causally over its own new keys through SDPA (a GEMM-shaped problem, no pool
-  read). fp32 only: a model computing in half precision gets "gather".
-  Where the build has AVX2 + FMA and head_dim % 8 == 0 it runs the kernel's vectorized path
+  read). fp32, bf16 or fp16: a half-precision pool is read at its width and widened in registers
+  (scores, softmax and sums in fp32, the output rounded once).
+  Where the build has AVX2 + FMA + F16C and head_dim % 8 == 0 it runs the kernel's vectorized path
   (eight key positions per score reduction, value accumulators in registers);
   "paged-portable" forces the plain loops every other CPU runs (tests hold both to the reference).
 - "chunked": decode rows by a block-wise online softmax: a few block-table columns at a time
@@ -50,7 +51,7 @@ def make_cpu_attention() -> AttentionBackend:
 
 
 class PagedAttention(AttentionBackend):
-    """torch.ops.raylm.paged_attention over the pool in place (fp32), for decode rows and short
+    """torch.ops.raylm.paged_attention over the pool in place, for decode rows and short
     chunks after a cached prefix; a longer chunk after a cached prefix is a GEMM-shaped problem
     (every query against the whole context) that the kernel's per-token dot products run several
     times slower than the gather + SDPA the reference does (KERNEL_CHUNK_TOKENS, measured in
