@@ -177,3 +177,36 @@ def test_a_bf16_model_through_the_cpu_table_greedy_equals_the_reference_table(mo
             driver.add(prompt)
         tokens[table] = driver.generate(24)
     assert tokens["cpu"] == tokens["reference"]
+
+
+@needs_cxx
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_argmax_rows_picks_torch_argmax_ties_nans_and_all_minus_inf_included(dtype):
+    gen = torch.Generator().manual_seed(5)
+    scores = torch.randn(9, 3001, generator=gen).to(dtype)
+    scores[1, 2999] = float("nan")  # a NaN wins, as in torch.argmax
+    scores[1, 17] = float("nan")
+    scores[2, 40] = scores[2, 1000] = scores[2].max() + 1  # ties go to the lowest index
+    scores[3] = float("-inf")
+    scores[4, 2000:] = 50.0  # past n: not seen when n < 2000
+    kernels = cpu_kernels.load()
+    for n in (3001, 2000, 1):
+        got = kernels.argmax_rows(scores, n)
+        assert got.dtype == torch.int64
+        assert got.tolist() == scores[:, :n].argmax(dim=-1).tolist()
+    strided = scores[::2]  # rows apart in memory
+    assert kernels.argmax_rows(strided, 3001).tolist() == strided.argmax(dim=-1).tolist()
+    with pytest.raises(RuntimeError, match="n must be in"):
+        kernels.argmax_rows(scores, 3002)
+
+
+@needs_cxx
+def test_a_bf16_lm_head_gives_greedy_ids_as_its_logits_argmax():
+    """linear_argmax on a bf16 weight (oneDNN's packed bf16 GEMM where the CPU has AVX512-BF16 /
+    AMX, F.linear elsewhere): the ids of the logits' argmax over the first n columns."""
+    gen = torch.Generator().manual_seed(6)
+    ops = get_op_table("cpu", "cpu")
+    handle = ops.prepare_linear((0.05 * torch.randn(5000, 64, generator=gen)).bfloat16())
+    x = torch.randn(7, 64, generator=gen).bfloat16()
+    for n in (5000, 4321):
+        assert ops.linear_argmax(x, handle, n).tolist() == ops.linear(x, handle)[:, :n].argmax(dim=-1).tolist()

@@ -3,12 +3,15 @@ the KV blocks where they lie (workers/ops/cpu_attention.py).
 
 Linear, by the CPU's class (workers/ops/cpu_features.py) and the weights' dtype, measured
 with benchmarks/bench_gemm.py --packed (figures in docs/benchmarks.md):
-- fp32 on AVX-512 (Intel): `torch.ops.mkl._mkl_linear` over weights packed once by
-  `_mkl_reorder_linear_weight` ("mkl-packed"), 1.3-1.9x F.linear at 64 rows;
-- fp32 on AVX2 (AMD EPYC, where it was measured): "onednn-packed": `torch.ops.mkldnn._linear_pointwise` over weights
-  reordered once by `_reorder_linear_weight` (MKL's packed path measured no faster than F.linear
-  here; oneDNN's 1.2-2x at 64 rows, about even at 512+);
-- bf16/fp16 (AVX512-BF16 / AMX CPUs compute in bf16): "aten" (oneDNN under F.linear).
+- fp32: "onednn-packed": `torch.ops.mkldnn._linear_pointwise` over weights reordered once by
+  `_reorder_linear_weight`: 1.2-2x F.linear at 16-64 rows, about even at 512+ (AVX2 and AVX-512
+  alike). MKL's packed sgemm ("mkl-packed", `_mkl_linear` over `_mkl_reorder_linear_weight`) is
+  as fast at 64 rows on an AVX-512 Xeon but half as fast at 16 and its packed copy is 1.4-18x the
+  weight's bytes (kept beside the weight), so it runs only when asked for;
+- bf16 on AVX512-BF16 / AMX: "onednn-packed" as for fp32: oneDNN's bf16 inner product
+  (AMX tiles where the CPU has them) over weights reordered once; F.linear reaches the same
+  kernels but reorders the weight on every call (1.3-1.6x at 16-64 rows, measured on an AMX Xeon);
+- fp16, and bf16 elsewhere: "aten" (F.linear).
 RAYLM_CPU_LINEAR=aten|mkl-packed|onednn-packed overrides the choice; mkl-packed falls back to aten where
 the op is absent. An fp32 weight whose values are all bf16 values (a bf16 checkpoint computing in
 fp32) is also, or instead, read at bf16's width by raylm's narrow linear, as measured per weight
@@ -43,8 +46,10 @@ from workers.ops.reference import ReferenceOps
 
 LINEAR_PATHS = ("aten", "mkl-packed", "onednn-packed")
 # the fp32 linear path per CPU class, as measured (docs/benchmarks.md)
-FP32_LINEAR = {"amx_bf16": "mkl-packed", "avx512_bf16": "mkl-packed", "avx512f": "mkl-packed",
+FP32_LINEAR = {"amx_bf16": "onednn-packed", "avx512_bf16": "onednn-packed", "avx512f": "onednn-packed",
                "avx2": "onednn-packed", "other": "aten"}
+# the bf16 linear path per CPU class (where bf16 has native dot products); others run F.linear
+BF16_LINEAR = {"amx_bf16": "onednn-packed", "avx512_bf16": "onednn-packed"}
 _MKL_BATCH = 64  # the batch size hint MKL's packing takes (rows it is tuned for)
 ELEMENTWISE_ENV = "RAYLM_CPU_ELEMENTWISE"
 
@@ -59,10 +64,13 @@ def linear_path(dtype: torch.dtype) -> str:
     forced = os.environ.get("RAYLM_CPU_LINEAR")
     if forced is not None and forced not in LINEAR_PATHS:
         raise ValueError(f"RAYLM_CPU_LINEAR must be one of {', '.join(LINEAR_PATHS)}, got {forced!r}")
-    path = forced or (FP32_LINEAR[cpu_class()] if dtype == torch.float32 else "aten")
+    if forced is None:
+        path = FP32_LINEAR[cpu_class()] if dtype == torch.float32 else BF16_LINEAR.get(cpu_class(), "aten")
+    else:
+        path = forced
     if path == "mkl-packed" and (dtype != torch.float32 or not has_mkl_packed_linear()):
         path = "aten"
-    if path == "onednn-packed" and (dtype != torch.float32 or not has_onednn_packed_linear()):
+    if path == "onednn-packed" and (dtype not in (torch.float32, torch.bfloat16) or not has_onednn_packed_linear()):
         path = "aten"
     return path
 
@@ -78,7 +86,7 @@ class MKLPackedWeight:
 
 
 class OneDNNPackedWeight:
-    """A weight reordered once into oneDNN's blocked layout for its fp32 inner product."""
+    """A weight reordered once into oneDNN's blocked layout for its fp32 / bf16 inner product."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _MKL_BATCH)
@@ -196,7 +204,10 @@ class CPUOps(ReferenceOps):
     def linear_argmax(self, x, handle, n):
         if isinstance(handle, NarrowWeight) and handle.bias is None and x.dim() == 2 and handle.takes(x):
             return cpu_kernels.load().narrow_linear_argmax(x.contiguous(), handle.narrow, n)
-        return super().linear_argmax(x, handle, n)
+        kernels = cpu_kernels.load()
+        if kernels is None:
+            return super().linear_argmax(x, handle, n)
+        return kernels.argmax_rows(self.linear(x, handle), n)  # logits, then raylm's argmax over them
 
     def linear_rows(self, handle, ids, out):
         if isinstance(handle, NarrowWeight):

@@ -1,4 +1,12 @@
-// Random sampling's last pass for the CPU sampler (fp32): one draw per row from
+// Greedy's argmax over rows of logits in any float dtype, and random sampling's last pass for
+// the CPU sampler (fp32).
+//
+// argmax_rows: per row, the first index of the largest of its first n values (the first NaN
+// if the row has one), as torch.argmax; one vectorized pass for the max (and whether a NaN is
+// there), one for its first index while the row is still in cache. bf16 / fp16 rows are
+// widened as they are read: torch's argmax over a bf16 row is several times slower.
+//
+// sample_rows: one draw per row from
 // softmax(scores[r]) by inverse CDF. Three passes over the row (max; exp and its sum; the
 // running sum until it passes U * sum), against the exponential race's uniform noise and two
 // logs per token in torch: the only transcendental per token is one vectorized exp.
@@ -10,7 +18,11 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
+
+#include <cstring>
 
 #include <cstdint>
 #include <limits>
@@ -54,6 +66,55 @@ int64_t draw_row(const float* __restrict s, float* __restrict e, int32_t n, doub
   return last;  // the sums' rounding left the target past the end: the last allowed id
 }
 
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) {
+  const uint32_t u = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+inline float widen(c10::Half x) { return c10::detail::fp16_ieee_to_fp32_value(x.x); }
+
+template <typename T>
+int64_t argmax_row(const T* __restrict s, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = widen(s[i]);
+    nan |= v != v;
+    m = v > m ? v : m;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = widen(s[i]);
+    if (nan ? v != v : v == m) return i;
+  }
+  return 0;  // every value -inf
+}
+
+template <typename T>
+void argmax_all(const at::Tensor& scores, int64_t n, int64_t* out) {
+  const T* sp = static_cast<const T*>(scores.data_ptr());
+  const int64_t rs = scores.stride(0);
+  at::parallel_for(0, scores.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) out[r] = argmax_row(sp + r * rs, n);
+  });
+}
+
+at::Tensor argmax_rows(at::Tensor scores, int64_t n) {
+  TORCH_CHECK(scores.dim() == 2 && scores.stride(1) == 1, "scores must be [R, V] with unit stride along V");
+  TORCH_CHECK(n > 0 && n <= scores.size(1), "n must be in [1, V], got ", n);
+  at::Tensor out = at::empty({scores.size(0)}, scores.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  switch (scores.scalar_type()) {
+    case at::kFloat: argmax_all<float>(scores, n, op); break;
+    case at::kBFloat16: argmax_all<c10::BFloat16>(scores, n, op); break;
+    case at::kHalf: argmax_all<c10::Half>(scores, n, op); break;
+    default: TORCH_CHECK(false, "argmax_rows takes float32, bfloat16 or float16 scores, got ", scores.scalar_type());
+  }
+  return out;
+}
+
 at::Tensor sample_rows(at::Tensor scores, at::Tensor keys) {
   TORCH_CHECK(scores.scalar_type() == at::kFloat && scores.dim() == 2 && scores.stride(1) == 1,
               "scores must be a float32 [R, V] with unit stride along V");
@@ -79,6 +140,12 @@ at::Tensor sample_rows(at::Tensor scores, at::Tensor keys) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(raylm, m) { m.def("sample_rows(Tensor scores, Tensor keys) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(raylm, m) {
+  m.def("sample_rows(Tensor scores, Tensor keys) -> Tensor");
+  m.def("argmax_rows(Tensor scores, int n) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(raylm, CPU, m) { m.impl("sample_rows", &sample_rows); }
+TORCH_LIBRARY_IMPL(raylm, CPU, m) {
+  m.impl("sample_rows", &sample_rows);
+  m.impl("argmax_rows", &argmax_rows);
+}
