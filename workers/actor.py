@@ -20,6 +20,7 @@ import functools
 import importlib
 import os
 import socket
+import threading
 import time
 
 import ray
@@ -48,11 +49,8 @@ class WorkerActor:
 
     def start(self, config: dict, parallel: dict | None = None) -> dict:
         cfg = RunnerConfig(**config)
-        if cfg.device == "cpu":
-            set_cpu_threads(cfg.num_threads)
         self.parallel = TensorParallel.join(ParallelConfig(**(parallel or {})), cfg.device)
-        self.runner = ModelRunner(cfg, parallel=self.parallel)
-        self.runner.warmup()
+        self.runner = _on_a_thread_of_its_own(functools.partial(self._load, cfg))
         env = visible_devices_env(cfg.device)
         info = {
             "num_kv_blocks": self.runner.num_kv_blocks,
@@ -77,6 +75,13 @@ class WorkerActor:
                                       on_thread_start=self.runner.bind_thread)
             info["step_channel"] = self.channel.describe()
         return info
+
+    def _load(self, cfg: RunnerConfig) -> ModelRunner:
+        if cfg.device == "cpu":
+            set_cpu_threads(cfg.num_threads)
+        runner = ModelRunner(cfg, parallel=self.parallel)
+        runner.warmup()
+        return runner
 
     @ray.method(enable_task_events=False)  # once per step: no task event to the GCS for each one
     def execute(self, plan_bytes: bytes) -> bytes:  # StepPlan bytes -> StepResult bytes
@@ -107,6 +112,31 @@ class WorkerActor:
             self.runner = None
         self.parallel.close()
         ray.actor.exit_actor()
+
+
+def _on_a_thread_of_its_own(fn):
+    """fn() on a thread that ends when it returns, its result or exception passed on.
+
+    Loading and warm-up compute with OpenMP, which keeps a team of threads per thread that ever
+    ran a parallel region, for the life of that thread. Steps run on another thread (the step
+    channel's, or Ray's for `execute`); a second team alive beside theirs puts more OpenMP
+    threads in the process than it has cores, and libgomp then stops spinning between parallel
+    regions: each of a step's hundreds of regions wakes its threads from sleep (3% of a bf16 run
+    on two cores). The loading thread's team goes when the thread ends."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            out["error"] = e
+
+    t = threading.Thread(target=run, name="raylm-load")
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
 
 
 WORKER_ACTOR_ENV = "RAYLM_WORKER_ACTOR"
