@@ -121,8 +121,8 @@ def _on_a_thread_of_its_own(fn):
     ran a parallel region, for the life of that thread. Steps run on another thread (the step
     channel's, or Ray's for `execute`); a second team alive beside theirs puts more OpenMP
     threads in the process than it has cores, and libgomp then stops spinning between parallel
-    regions: each of a step's hundreds of regions wakes its threads from sleep (3% of a bf16 run
-    on two cores). The loading thread's team goes when the thread ends."""
+    regions: each of a step's hundreds of regions then wakes its threads from sleep
+    (docs/benchmarks.md). The loading thread's team goes when the thread ends."""
     out: dict = {}
 
     def run():
