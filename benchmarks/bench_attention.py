@@ -1,13 +1,15 @@
 """Paged attention backends side by side on Qwen3-0.6B's attention shape (16 query heads, 8 KV
-heads, head_dim 128, block 16) or the bundled tiny model's (--shape tiny), fp32: a decode batch
-and a mixed batch with prefill chunks.
+heads, head_dim 128, block 16) or the bundled tiny model's (--shape tiny), in fp32 or a half
+dtype (--dtype bfloat16: the pool, q and the output in it, as a bf16 model computes): a decode
+batch and a mixed batch with prefill chunks.
 
     PYTHONPATH=. python benchmarks/bench_attention.py [--threads 2] [--rows 64] [--ctx 40:380] [--reps 5]
-        [--shape qwen3-0.6b|tiny]
+        [--shape qwen3-0.6b|tiny] [--dtype float32|bfloat16|float16]
 
 Backends take turns in every repetition (so machine load hits them alike); prints the median
 milliseconds per layer call (prepare excluded: it runs once per step for all layers) and the
-largest difference from the reference. A script, not a test.
+largest difference from the reference, and for decode the pool's keys and values read per
+second (what bounds it where the kernel keeps up with memory). A script, not a test.
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--shape", choices=SHAPES, default="qwen3-0.6b",
                     help="attention shape: Qwen3-0.6B's or the bundled tiny model's (4 query heads, 2 KV, head_dim 32)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     a = ap.parse_args()
+    dtype = getattr(torch, a.dtype)
     torch.set_num_threads(a.threads)
     ctx = tuple(int(x) for x in a.ctx.split(":"))
     bs, (kvh, h, d) = 16, SHAPES[a.shape]
@@ -62,10 +66,10 @@ def main() -> None:
     for case, (rows, prefills) in cases.items():
         seqs = batch(rng, rows, ctx, prefills, bs, 4096)
         cache = KVCache(num_layers=1, num_blocks=4096, block_size=bs, num_kv_heads=kvh, head_dim=d,
-                        dtype=torch.float32)
+                        dtype=dtype)
         cache.data.normal_()
         t = sum(s.num_tokens for s in seqs)
-        q, k, v = torch.randn(t, h, d), torch.randn(t, kvh, d), torch.randn(t, kvh, d)
+        q, k, v = (torch.randn(t, n, d).to(dtype) for n in (h, kvh, kvh))
         metas = {name: b.prepare(build_metadata(seqs, num_decode=rows, block_size=bs)) for name, b in backends.items()}
         for name, b in backends.items():  # this step's K/V in the pool, as the model writes it first
             b.write_kv(cache, 0, k, v, metas[name])
@@ -79,10 +83,13 @@ def main() -> None:
                     times[name].append(time.perf_counter() - t0)
         ref = outs["gather-sdpa (reference)"]
         ctx_tokens = sum(s.start + s.num_tokens for s in seqs)
-        print(f"{case}: {rows} decode rows + {len(prefills)} chunks, {t} query tokens, {ctx_tokens} keys")
+        pool_bytes = ctx_tokens * 2 * kvh * d * cache.data.element_size()
+        print(f"{case}: {rows} decode rows + {len(prefills)} chunks, {t} query tokens, {ctx_tokens} keys, {a.dtype}")
         for name in backends:
             ms = statistics.median(times[name][1:]) * 1e3
-            print(f"  {name:>26}: {ms:8.2f} ms  max|diff| {float((outs[name] - ref).abs().max()):.2e}")
+            rate = f"  {pool_bytes / ms / 1e6:5.1f} GB/s of K/V" if case == "decode" else ""
+            diff = float((outs[name].float() - ref.float()).abs().max())
+            print(f"  {name:>26}: {ms:8.2f} ms  max|diff| {diff:.2e}{rate}")
 
 
 if __name__ == "__main__":
