@@ -1,12 +1,15 @@
 """How fast torch's linear is here, per dtype: the kernel every contender's step rests on.
 
     PYTHONPATH=. python benchmarks/bench_gemm.py [--threads 2] [--rows 1,64,2048]
+    PYTHONPATH=. python benchmarks/bench_gemm.py --packed [--dtype bfloat16]
 
 For Qwen3-0.6B's MLP up-projection shape (in 1024, out 3072) and its lm_head (in 1024,
 out 151936), times F.linear on bf16 weights and inputs, on fp32 ones, and on bf16 ones
 upcast to fp32 for the call (weights converted on every call, result cast back to bf16:
 the same products and fp32 accumulation as a bf16 GEMM, through the fp32 kernel). Prints
-milliseconds and GFLOP/s. A script, not a test.
+milliseconds and GFLOP/s. With --packed, the CPU op table's paths on one Qwen3-0.6B layer's
+fused shapes and its lm_head, in fp32 or (--dtype bfloat16, where the CPU has AVX512-BF16 / AMX)
+in bf16. A script, not a test.
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ def main() -> None:
     ap.add_argument("--rows", default="1,64,2048")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--packed", action="store_true",
-                    help="fp32 only: F.linear against MKL's and oneDNN's packed weights (the CPU op table's "
+                    help="F.linear against MKL's (fp32 only) and oneDNN's packed weights (the CPU op table's "
                          "paths), taking turns per repetition, on the fused shapes of one Qwen3-0.6B layer; "
                          "best-of rates, and the best of all")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="with --packed")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     if a.packed:
@@ -66,21 +70,23 @@ def main() -> None:
 def packed(a) -> None:
     from workers.ops.cpu_features import cpu_class, has_mkl_packed_linear, has_onednn_packed_linear
 
-    mkl, dnn = has_mkl_packed_linear(), has_onednn_packed_linear()
-    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}, "
-          f"cpu class {cpu_class()}, mkl packed op: {mkl}, onednn packed op: {dnn}")
+    dtype = getattr(torch, a.dtype)
+    mkl, dnn = has_mkl_packed_linear() and dtype == torch.float32, has_onednn_packed_linear()
+    print(f"# {a.dtype}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{torch.backends.cpu.get_cpu_capability()}, cpu class {cpu_class()}, "
+          f"mkl packed op: {mkl}, onednn packed op: {dnn}")
     print(f"{'shape':>22} {'F.linear GF/s':>14} {'mkl-packed GF/s':>16} {'onednn-packed GF/s':>19}")
     g = torch.Generator().manual_seed(0)
     best = (0.0, "")
     # qkv (fused), o, gate_up (fused), down, lm_head
     for out_features, in_features in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)):
-        w = torch.randn(out_features, in_features, generator=g) * 0.02
+        w = (torch.randn(out_features, in_features, generator=g) * 0.02).to(dtype)
         pw = torch.ops.mkl._mkl_reorder_linear_weight(w, 64) if mkl else None
         dw = torch.ops.mkldnn._reorder_linear_weight(w, 64) if dnn else None
         for m in (int(r) for r in a.rows.split(",")):
             if out_features > 100_000 and m > 64:
                 continue
-            x = torch.randn(m, in_features, generator=g)
+            x = torch.randn(m, in_features, generator=g).to(dtype)
             paths = {"aten": lambda x=x, w=w: F.linear(x, w)}
             if pw is not None:
                 paths["mkl"] = lambda x=x, w=w, pw=pw: torch.ops.mkl._mkl_linear(x, pw, w, None, 64)
@@ -97,7 +103,7 @@ def packed(a) -> None:
                 best = max(best, (r, f"{name} {shape}"))
             print(f"{shape:>22} {rate['aten']:>14.1f} {rate.get('mkl', float('nan')):>16.1f} "
                   f"{rate.get('onednn', float('nan')):>19.1f}")
-    print(f"best fp32 rate: {best[0]:.1f} GF/s ({best[1]})")
+    print(f"best {a.dtype} rate: {best[0]:.1f} GF/s ({best[1]})")
 
 if __name__ == "__main__":
     main()
