@@ -203,18 +203,55 @@ void attend_all(typename E::T* op, const typename E::T* qp, const typename E::T*
 
 namespace {
 
-// eight elements from p, widened to fp32
-template <typename E>
-inline __m256 load8(const typename E::T* p) {
-  if constexpr (std::is_same_v<E, F32>) {
-    return _mm256_loadu_ps(p);
-  } else if constexpr (std::is_same_v<E, BF16>) {
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-  } else {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+// One vector of W fp32 lanes: eight (AVX2) or sixteen (AVX-512). load<E> widens W elements of a
+// pool / q of element type E; fold8 sums a vector down to eight lanes.
+struct V8 {
+  using R = __m256;
+  static constexpr int W = 8;
+  static R zero() { return _mm256_setzero_ps(); }
+  static R loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static void storef(float* p, R x) { _mm256_storeu_ps(p, x); }
+  static R set1(float x) { return _mm256_set1_ps(x); }
+  static R fmadd(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
+  static __m256 fold8(R x) { return x; }
+  template <typename E>
+  static R load(const typename E::T* p) {
+    if constexpr (std::is_same_v<E, F32>) {
+      return _mm256_loadu_ps(p);
+    } else if constexpr (std::is_same_v<E, BF16>) {
+      const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    } else {
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    }
   }
-}
+};
+
+#if defined(__AVX512F__)
+// sixteen lanes, for head_dim % 16 == 0 where the build has AVX-512: half the instructions per
+// key, and (for a bf16 / fp16 pool) half the widening work per byte
+struct V16 {
+  using R = __m512;
+  static constexpr int W = 16;
+  static R zero() { return _mm512_setzero_ps(); }
+  static R loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static void storef(float* p, R x) { _mm512_storeu_ps(p, x); }
+  static R set1(float x) { return _mm512_set1_ps(x); }
+  static R fmadd(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
+  static __m256 fold8(R x) { return _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1)); }
+  template <typename E>
+  static R load(const typename E::T* p) {
+    if constexpr (std::is_same_v<E, F32>) {
+      return _mm512_loadu_ps(p);
+    } else if constexpr (std::is_same_v<E, BF16>) {
+      const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    } else {
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    }
+  }
+};
+#endif
 
 // lane p of the result: the sum of a[p]'s eight lanes
 inline __m256 sum8(const __m256* a) {
@@ -225,150 +262,79 @@ inline __m256 sum8(const __m256* a) {
 }
 
 // q . k for eight key positions (k, k + stride, ...): eight independent FMA chains, one reduction
-template <int64_t HEAD_DIM, typename E>
+template <typename V, int64_t HEAD_DIM, typename E>
 inline __m256 scores8(const float* q, const typename E::T* k, int64_t stride, int64_t head_dim_rt) {
   const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim_rt;
-  __m256 a[8];
+  typename V::R a[8];
 #pragma GCC unroll 8
-  for (int p = 0; p < 8; ++p) a[p] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < head_dim; c += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + c);
+  for (int p = 0; p < 8; ++p) a[p] = V::zero();
+  for (int64_t c = 0; c < head_dim; c += V::W) {
+    const typename V::R qv = V::loadf(q + c);
 #pragma GCC unroll 8
-    for (int p = 0; p < 8; ++p) a[p] = _mm256_fmadd_ps(qv, load8<E>(k + p * stride + c), a[p]);
-  }
-  return sum8(a);
-}
-
-// acc[g][0 .. 8 NV) += sum over the block's m positions of w[g][o] * v[o][0 .. 8 NV), for GS query
-// heads, the accumulators held in registers across the block
-template <int GS, int NV, typename E>
-inline void weigh_values(float* acc, int64_t acc_stride, const typename E::T* v, int64_t stride, int64_t m, const float* w,
-                         int64_t w_stride) {
-  __m256 r[GS][NV];
-#pragma GCC unroll 2
-  for (int g = 0; g < GS; ++g)
-#pragma GCC unroll 4
-    for (int n = 0; n < NV; ++n) r[g][n] = _mm256_loadu_ps(acc + g * acc_stride + 8 * n);
-  for (int64_t o = 0; o < m; ++o) {
-    __m256 x[NV];
-#pragma GCC unroll 4
-    for (int n = 0; n < NV; ++n) x[n] = load8<E>(v + o * stride + 8 * n);
-#pragma GCC unroll 2
-    for (int g = 0; g < GS; ++g) {
-      const __m256 s = _mm256_broadcast_ss(w + g * w_stride + o);
-#pragma GCC unroll 4
-      for (int n = 0; n < NV; ++n) r[g][n] = _mm256_fmadd_ps(s, x[n], r[g][n]);
-    }
-  }
-#pragma GCC unroll 2
-  for (int g = 0; g < GS; ++g)
-#pragma GCC unroll 4
-    for (int n = 0; n < NV; ++n) _mm256_storeu_ps(acc + g * acc_stride + 8 * n, r[g][n]);
-}
-
-template <int GS, typename E>
-inline void weigh_values_chunks(float* acc, int64_t head_dim, const typename E::T* v, int64_t stride, int64_t m,
-                                const float* w, int64_t w_stride) {
-  int64_t c = 0;
-  for (; c + 32 <= head_dim; c += 32) weigh_values<GS, 4, E>(acc + c, head_dim, v + c, stride, m, w, w_stride);
-  if (c + 16 <= head_dim) {
-    weigh_values<GS, 2, E>(acc + c, head_dim, v + c, stride, m, w, w_stride);
-    c += 16;
-  }
-  if (c < head_dim) weigh_values<GS, 1, E>(acc + c, head_dim, v + c, stride, m, w, w_stride);
-}
-
-
-#if defined(__AVX512F__)
-// The same two pieces sixteen lanes wide, for head_dim % 16 == 0 where the build has AVX-512:
-// half the instructions per key, and (for a bf16 / fp16 pool) half the widening work per byte.
-template <typename E>
-inline __m512 load16(const typename E::T* p) {
-  if constexpr (std::is_same_v<E, F32>) {
-    return _mm512_loadu_ps(p);
-  } else if constexpr (std::is_same_v<E, BF16>) {
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-  } else {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
-}
-
-inline __m256 fold512(__m512 a) {
-  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
-}
-
-template <int64_t HEAD_DIM, typename E>
-inline __m256 scores8_512(const float* q, const typename E::T* k, int64_t stride, int64_t head_dim_rt) {
-  const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim_rt;
-  __m512 a[8];
-#pragma GCC unroll 8
-  for (int p = 0; p < 8; ++p) a[p] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < head_dim; c += 16) {
-    const __m512 qv = _mm512_loadu_ps(q + c);
-#pragma GCC unroll 8
-    for (int p = 0; p < 8; ++p) a[p] = _mm512_fmadd_ps(qv, load16<E>(k + p * stride + c), a[p]);
+    for (int p = 0; p < 8; ++p) a[p] = V::fmadd(qv, V::template load<E>(k + p * stride + c), a[p]);
   }
   __m256 h[8];
 #pragma GCC unroll 8
-  for (int p = 0; p < 8; ++p) h[p] = fold512(a[p]);
+  for (int p = 0; p < 8; ++p) h[p] = V::fold8(a[p]);
   return sum8(h);
 }
 
-template <int GS, int NV, typename E>
-inline void weigh_values_512(float* acc, int64_t acc_stride, const typename E::T* v, int64_t stride, int64_t m,
-                             const float* w, int64_t w_stride) {
-  __m512 r[GS][NV];
+// acc[g][0 .. W NV) += sum over the block's m positions of w[g][o] * v[o][0 .. W NV), for GS query
+// heads, the accumulators held in registers across the block
+template <typename V, int GS, int NV, typename E>
+inline void weigh_values(float* acc, int64_t acc_stride, const typename E::T* v, int64_t stride, int64_t m,
+                         const float* w, int64_t w_stride) {
+  typename V::R r[GS][NV];
 #pragma GCC unroll 2
   for (int g = 0; g < GS; ++g)
 #pragma GCC unroll 4
-    for (int n = 0; n < NV; ++n) r[g][n] = _mm512_loadu_ps(acc + g * acc_stride + 16 * n);
+    for (int n = 0; n < NV; ++n) r[g][n] = V::loadf(acc + g * acc_stride + V::W * n);
   for (int64_t o = 0; o < m; ++o) {
-    __m512 x[NV];
+    typename V::R x[NV];
 #pragma GCC unroll 4
-    for (int n = 0; n < NV; ++n) x[n] = load16<E>(v + o * stride + 16 * n);
+    for (int n = 0; n < NV; ++n) x[n] = V::template load<E>(v + o * stride + V::W * n);
 #pragma GCC unroll 2
     for (int g = 0; g < GS; ++g) {
-      const __m512 s = _mm512_set1_ps(w[g * w_stride + o]);
+      const typename V::R s = V::set1(w[g * w_stride + o]);
 #pragma GCC unroll 4
-      for (int n = 0; n < NV; ++n) r[g][n] = _mm512_fmadd_ps(s, x[n], r[g][n]);
+      for (int n = 0; n < NV; ++n) r[g][n] = V::fmadd(s, x[n], r[g][n]);
     }
   }
 #pragma GCC unroll 2
   for (int g = 0; g < GS; ++g)
 #pragma GCC unroll 4
-    for (int n = 0; n < NV; ++n) _mm512_storeu_ps(acc + g * acc_stride + 16 * n, r[g][n]);
+    for (int n = 0; n < NV; ++n) V::storef(acc + g * acc_stride + V::W * n, r[g][n]);
 }
 
-template <int GS, typename E>
-inline void weigh_values_chunks_512(float* acc, int64_t head_dim, const typename E::T* v, int64_t stride, int64_t m,
-                                    const float* w, int64_t w_stride) {
+template <typename V, int GS, typename E>
+inline void weigh_values_chunks(float* acc, int64_t head_dim, const typename E::T* v, int64_t stride, int64_t m,
+                                const float* w, int64_t w_stride) {
+  constexpr int64_t W = V::W;
   int64_t c = 0;
-  for (; c + 64 <= head_dim; c += 64) weigh_values_512<GS, 4, E>(acc + c, head_dim, v + c, stride, m, w, w_stride);
-  if (c + 32 <= head_dim) {
-    weigh_values_512<GS, 2, E>(acc + c, head_dim, v + c, stride, m, w, w_stride);
-    c += 32;
+  for (; c + 4 * W <= head_dim; c += 4 * W) weigh_values<V, GS, 4, E>(acc + c, head_dim, v + c, stride, m, w, w_stride);
+  if (c + 2 * W <= head_dim) {
+    weigh_values<V, GS, 2, E>(acc + c, head_dim, v + c, stride, m, w, w_stride);
+    c += 2 * W;
   }
-  if (c < head_dim) weigh_values_512<GS, 1, E>(acc + c, head_dim, v + c, stride, m, w, w_stride);
+  if (c < head_dim) weigh_values<V, GS, 1, E>(acc + c, head_dim, v + c, stride, m, w, w_stride);
 }
-#endif
 
-// the widest of the two vector paths this build and head size allow
+// the widest vectors this build and head size allow
 template <int64_t HEAD_DIM, typename E>
 inline __m256 scores8_isa(const float* q, const typename E::T* k, int64_t stride, int64_t head_dim) {
 #if defined(__AVX512F__)
-  if (head_dim % 16 == 0) return scores8_512<HEAD_DIM, E>(q, k, stride, head_dim);
+  if (head_dim % 16 == 0) return scores8<V16, HEAD_DIM, E>(q, k, stride, head_dim);
 #endif
-  return scores8<HEAD_DIM, E>(q, k, stride, head_dim);
+  return scores8<V8, HEAD_DIM, E>(q, k, stride, head_dim);
 }
 
 template <int GS, typename E>
 inline void weigh_values_chunks_isa(float* acc, int64_t head_dim, const typename E::T* v, int64_t stride, int64_t m,
                                     const float* w, int64_t w_stride) {
 #if defined(__AVX512F__)
-  if (head_dim % 16 == 0) return weigh_values_chunks_512<GS, E>(acc, head_dim, v, stride, m, w, w_stride);
+  if (head_dim % 16 == 0) return weigh_values_chunks<V16, GS, E>(acc, head_dim, v, stride, m, w, w_stride);
 #endif
-  weigh_values_chunks<GS, E>(acc, head_dim, v, stride, m, w, w_stride);
+  weigh_values_chunks<V8, GS, E>(acc, head_dim, v, stride, m, w, w_stride);
 }
 
 // attend_all for head_dim % 8 == 0 on AVX2 + FMA (AVX-512 machines run it too): the same two passes
