@@ -13,7 +13,10 @@ namespace raylm {
 // |r| <= ln2 / 2 (ln2 split in two for an exact product), a degree-6 polynomial for e^r, 2^n
 // put into the exponent bits. Branch-free, so a loop of it vectorizes (std::exp does not).
 inline float fast_exp(float x) {
-  x = x < -87.33f ? -87.33f : (x > 88.3f ? 88.3f : x);  // 2^n stays a normal float
+  // 2^n stays a normal float. min / max, not a ternary: GCC split the ternary's constant arms into
+  // separate lanes' results computed for every lane, and a caller's g / (1 + e^88.3) then made
+  // denormals in each vector (microcode assists on Intel: silu * up ran 10x slower)
+  x = std::max(-87.33f, std::min(x, 88.3f));
   const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
   const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
