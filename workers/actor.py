@@ -51,6 +51,7 @@ class WorkerActor:
         cfg = RunnerConfig(**config)
         self.parallel = TensorParallel.join(ParallelConfig(**(parallel or {})), cfg.device)
         self.runner = _on_a_thread_of_its_own(functools.partial(self._load, cfg))
+        self.runner.bind_thread()  # Ray's thread, where `execute` calls run: thread count and device
         env = visible_devices_env(cfg.device)
         info = {
             "num_kv_blocks": self.runner.num_kv_blocks,
