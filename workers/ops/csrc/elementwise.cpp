@@ -46,12 +46,7 @@ struct Elem<float> {
 template <>
 struct Elem<at::BFloat16> {
   using S = uint16_t;  // bf16 is fp32's top half
-  static float ld(uint16_t v) {
-    const uint32_t u = static_cast<uint32_t>(v) << 16;
-    float f;
-    std::memcpy(&f, &u, sizeof(f));
-    return f;
-  }
+  static float ld(uint16_t v) { return raylm::BF16::widen(v); }
   static uint16_t st(float f) {  // c10::BFloat16's round_to_nearest_even, NaN -> 0x7FC0
     uint32_t u;
     std::memcpy(&u, &f, sizeof(u));

@@ -11,13 +11,10 @@
 // read twice, never copied.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -27,28 +24,9 @@
 
 namespace {
 
-// How an element of q / the pool / the output is stored: widen() to fp32, narrow() back
-// (round to nearest even, as torch's conversions).
-struct F32 {
-  using T = float;
-  static float widen(float x) { return x; }
-  static float narrow(float x) { return x; }
-};
-struct BF16 {
-  using T = uint16_t;
-  static float widen(uint16_t x) {
-    const uint32_t u = static_cast<uint32_t>(x) << 16;
-    float f;
-    std::memcpy(&f, &u, sizeof(f));
-    return f;
-  }
-  static uint16_t narrow(float x) { return c10::BFloat16(x).x; }
-};
-struct F16 {
-  using T = uint16_t;
-  static float widen(uint16_t x) { return c10::detail::fp16_ieee_to_fp32_value(x); }
-  static uint16_t narrow(float x) { return c10::detail::fp16_ieee_from_fp32_value(x); }
-};
+using raylm::BF16;
+using raylm::F16;
+using raylm::F32;
 
 template <typename E>
 inline float dot(const float* __restrict a, const typename E::T* __restrict b, int64_t n) {

@@ -18,11 +18,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
-
-#include <cstring>
 
 #include <cstdint>
 #include <limits>
@@ -66,38 +62,29 @@ int64_t draw_row(const float* __restrict s, float* __restrict e, int32_t n, doub
   return last;  // the sums' rounding left the target past the end: the last allowed id
 }
 
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) {
-  const uint32_t u = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-inline float widen(c10::Half x) { return c10::detail::fp16_ieee_to_fp32_value(x.x); }
-
-template <typename T>
-int64_t argmax_row(const T* __restrict s, int64_t n) {
+template <typename E>
+int64_t argmax_row(const typename E::T* __restrict s, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
   int nan = 0;
 #pragma omp simd reduction(max : m) reduction(| : nan)
   for (int64_t i = 0; i < n; ++i) {
-    const float v = widen(s[i]);
+    const float v = E::widen(s[i]);
     nan |= v != v;
     m = v > m ? v : m;
   }
   for (int64_t i = 0; i < n; ++i) {
-    const float v = widen(s[i]);
+    const float v = E::widen(s[i]);
     if (nan ? v != v : v == m) return i;
   }
   return 0;  // every value -inf
 }
 
-template <typename T>
+template <typename E>
 void argmax_all(const at::Tensor& scores, int64_t n, int64_t* out) {
-  const T* sp = static_cast<const T*>(scores.data_ptr());
+  const auto* sp = static_cast<const typename E::T*>(scores.data_ptr());
   const int64_t rs = scores.stride(0);
   at::parallel_for(0, scores.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) out[r] = argmax_row(sp + r * rs, n);
+    for (int64_t r = begin; r < end; ++r) out[r] = argmax_row<E>(sp + r * rs, n);
   });
 }
 
@@ -107,9 +94,9 @@ at::Tensor argmax_rows(at::Tensor scores, int64_t n) {
   at::Tensor out = at::empty({scores.size(0)}, scores.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
   switch (scores.scalar_type()) {
-    case at::kFloat: argmax_all<float>(scores, n, op); break;
-    case at::kBFloat16: argmax_all<c10::BFloat16>(scores, n, op); break;
-    case at::kHalf: argmax_all<c10::Half>(scores, n, op); break;
+    case at::kFloat: argmax_all<raylm::F32>(scores, n, op); break;
+    case at::kBFloat16: argmax_all<raylm::BF16>(scores, n, op); break;
+    case at::kHalf: argmax_all<raylm::F16>(scores, n, op); break;
     default: TORCH_CHECK(false, "argmax_rows takes float32, bfloat16 or float16 scores, got ", scores.scalar_type());
   }
   return out;

@@ -1,6 +1,10 @@
 // Small float math the kernels share, written as plain loops the compiler vectorizes
-// (-O3 -march=native: one AVX2 / AVX-512 lane per element).
+// (-O3 -march=native: one AVX2 / AVX-512 lane per element), and how each float dtype a kernel
+// reads is stored.
 #pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -8,6 +12,29 @@
 #include <cstring>
 
 namespace raylm {
+
+// An element type as stored: T its storage, widen() to fp32, narrow() back (round to nearest
+// even, as torch's conversions).
+struct F32 {
+  using T = float;
+  static float widen(float x) { return x; }
+  static float narrow(float x) { return x; }
+};
+struct BF16 {  // bf16 is fp32's top half
+  using T = uint16_t;
+  static float widen(uint16_t x) {
+    const uint32_t u = static_cast<uint32_t>(x) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    return f;
+  }
+  static uint16_t narrow(float x) { return c10::BFloat16(x).x; }
+};
+struct F16 {
+  using T = uint16_t;
+  static float widen(uint16_t x) { return c10::detail::fp16_ieee_to_fp32_value(x); }
+  static uint16_t narrow(float x) { return c10::detail::fp16_ieee_from_fp32_value(x); }
+};
 
 // exp(x) in float32 within ~2 ulp over the range that does not overflow: x = n ln2 + r with
 // |r| <= ln2 / 2 (ln2 split in two for an exact product), a degree-6 polynomial for e^r, 2^n
