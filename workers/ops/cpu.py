@@ -10,7 +10,7 @@ with benchmarks/bench_gemm.py --packed (figures in docs/benchmarks.md):
   weight's bytes (kept beside the weight), so it runs only when asked for;
 - bf16 on AVX512-BF16 / AMX: "onednn-packed" as for fp32: oneDNN's bf16 inner product
   (AMX tiles where the CPU has them) over weights reordered once; F.linear reaches the same
-  kernels but reorders the weight on every call (1.3-1.6x at 16-64 rows, measured on an AMX Xeon);
+  kernels but reorders the weight on every call (1.2-1.7x at 16-64 rows, measured on an AMX Xeon);
 - fp16, and bf16 elsewhere: "aten" (F.linear).
 RAYLM_CPU_LINEAR=aten|mkl-packed|onednn-packed overrides the choice; mkl-packed falls back to aten where
 the op is absent. An fp32 weight whose values are all bf16 values (a bf16 checkpoint computing in
