@@ -20,6 +20,7 @@ from cluster.openai.http_limits import (
     HttpLimits,
 )
 from cluster.openai.serving_config import DEFAULT_MAX_BODY_BYTES, ServingConfig
+from workers.runner_config import QUANTIZATIONS
 
 log = logging.getLogger("raylm")
 
@@ -37,6 +38,9 @@ def _engine_args(p: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGrou
     m.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default: the checkpoint's; bf16/fp16 weights compute in float32 on a CPU "
                         "without half-precision matmul instructions)")
+    m.add_argument("--quantization", "-q", default=None, choices=QUANTIZATIONS,
+                   help="int8: quantize an unquantized checkpoint's linears at load (per-channel weights, per-token "
+                        "activations); the others name the checkpoint's own format (read from it by default)")
     m.add_argument("--max-model-len", type=int, default=None)
     k.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (CPU)")
     k.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one batch")
@@ -73,7 +77,7 @@ def _engine_args(p: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGrou
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
-    kw = dict(model=a.model, device=a.device, num_replicas=a.replicas, dtype=a.dtype,
+    kw = dict(model=a.model, device=a.device, num_replicas=a.replicas, dtype=a.dtype, quantization=a.quantization,
               num_kv_blocks=a.num_kv_blocks, max_model_len=a.max_model_len, threads_per_worker=a.threads_per_worker,
               prefill_threads_per_worker=a.prefill_threads_per_worker,
               accelerator_resource=a.accelerator_resource, enforce_eager=a.enforce_eager, graph_sizes=a.graph_sizes,

@@ -15,7 +15,14 @@ from dataclasses import asdict, dataclass, fields
 from scheduler.checks import check_bool, check_fraction, check_int, check_positive, is_int, is_number
 from scheduler.scheduler_config import SchedulerConfig
 from workers.block_sizes import check_npu_block_size, default_block_size
-from workers.runner_config import DEVICE_KINDS, STEP_CHANNELS, RunnerConfig, canonical_dtype, device_outputs_enabled
+from workers.runner_config import (
+    DEVICE_KINDS,
+    STEP_CHANNELS,
+    RunnerConfig,
+    canonical_dtype,
+    check_quantization,
+    device_outputs_enabled,
+)
 
 GENERATION_CONFIG_MODES = ("auto", "none")
 # the engine actor's sys.setswitchinterval, in ms (cluster/remote/engine_actor.py says why); None: Python's 5 ms
@@ -42,7 +49,9 @@ class EngineConfig:
     dtype, except bf16/fp16 weights on a CPU without half-precision matmul instructions
     (no AVX512-BF16 or AMX), which are upcast to float32 once at load: batched steps run
     several times faster there, single-stream decode somewhat slower (it reads twice the
-    bytes); pass dtype="bfloat16" to keep bf16. On the CPU the KV pool is `num_kv_blocks`
+    bytes); pass dtype="bfloat16" to keep bf16. A quantized checkpoint (compressed-tensors W8A8,
+    msmodelslim W8A8 / W8A8_DYNAMIC, AWQ W4A16) is read as such; `quantization="int8"` quantizes
+    an unquantized one's decoder linears at load (workers/quant/config.py). On the CPU the KV pool is `num_kv_blocks`
     blocks (None: room for max_num_seqs sequences of max_model_len within 1 GiB, at least
     512 blocks; workers/device.py default_cpu_blocks); on accelerators it is
     `memory_fraction` of the device's free memory.
@@ -108,6 +117,7 @@ class EngineConfig:
     model: str | None = None
     device: str = "cpu"
     dtype: str | None = None
+    quantization: str | None = None  # "int8": quantize at load; None: the checkpoint's own format, if any
     max_model_len: int | None = None
     generation_config: str = "auto"
     seed: int = 0
@@ -157,6 +167,7 @@ class EngineConfig:
             raise ValueError(f"device must be one of {DEVICE_KINDS}, got {self.device!r}")
         if self.dtype is not None:
             self.dtype = canonical_dtype(self.dtype)
+        check_quantization(self.quantization)
         check_int("num_replicas", self.num_replicas, 1)
         if self.block_size is None:
             self.block_size = default_block_size(self.device)
@@ -231,7 +242,8 @@ class EngineConfig:
         worker, `prefill_threads` those of its big steps (None: num_threads).
         RAYLM_DEVICE_OUTPUTS is read here, once."""
         return RunnerConfig(
-            model=model_path, device=self.device, dtype=self.dtype, block_size=self.block_size,
+            model=model_path, device=self.device, dtype=self.dtype, quantization=self.quantization,
+            block_size=self.block_size,
             num_kv_blocks=self.num_kv_blocks, memory_fraction=self.memory_fraction,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, device_outputs=device_outputs_enabled(self.device_outputs),

@@ -31,6 +31,7 @@ from safetensors import safe_open
 from workers.models.qwen3 import PreparedWeights, Qwen3Config, Qwen3ForCausalLM
 from workers.models.rope import RopeConfig
 from workers.parallel import SINGLE, TensorParallel, shard_of
+from workers.quant import QuantConfig, QuantizedLinear, attach, convert_loaded, quantize_at_load, read_quant_config
 from workers.runner_config import DTYPE_ALIASES, DTYPE_NAMES, canonical_dtype
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}  # -> model_type
@@ -133,6 +134,14 @@ def load_config(path) -> Qwen3Config:
     return config_from_dict(_read_json(_checkpoint_dir(path) / "config.json"))
 
 
+def load_quant_config(path, quantization: str | None = None) -> QuantConfig | None:
+    """The checkpoint's quantization (workers/quant/config.py) or the one `quantization` asks
+    for at load; None for full precision. Raises QuantConfigError (a ValueError) naming what it
+    cannot serve."""
+    d = _checkpoint_dir(path)
+    return read_quant_config(d, _read_json(d / "config.json"), quantization)
+
+
 def _weight_files(d: Path) -> list[Path]:
     index = d / "model.safetensors.index.json"
     if index.is_file():
@@ -171,12 +180,16 @@ def _no_init_on_meta():
 
 
 def empty_model(config: Qwen3Config, dtype: torch.dtype, device,
-                parallel: TensorParallel = SINGLE, expert_dtype: torch.dtype | None = None) -> Qwen3ForCausalLM:
+                parallel: TensorParallel = SINGLE, expert_dtype: torch.dtype | None = None,
+                quant: QuantConfig | None = None) -> Qwen3ForCausalLM:
     """A model (this rank's part of it) with uninitialized weights of `dtype` on `device`
-    (built on meta: no double allocation); MoE experts in `expert_dtype` (None: dtype)."""
+    (built on meta: no double allocation); MoE experts in `expert_dtype` (None: dtype); the
+    linears a checkpoint's `quant` quantizes hold its tensors instead."""
     with torch.device("meta"), _no_init_on_meta():
         model = Qwen3ForCausalLM(config, parallel)
-    model = model.to(dtype)
+        model = model.to(dtype)
+        if quant is not None:
+            attach(model, quant)
     store_experts(model, expert_dtype or dtype)
     model = model.to_empty(device=device)
     model.tie_weights()
@@ -205,7 +218,12 @@ def cast_model(model: Qwen3ForCausalLM, dtype: torch.dtype, device=None, *, copy
     if copy:
         model = deepcopy(model)
     experts = {id(p) for name, m in model.named_modules() if name.endswith("mlp.experts") for p in m.parameters()}
+    quantized = {id(p) for m in model.modules() if isinstance(m, QuantizedLinear)
+                 for n, p in m.named_parameters() if n != "bias"}
     for param in model.parameters():  # each straight to its own dtype: never a wide copy of every expert
+        if id(param) in quantized:  # a format's tensors (int8, int32, fp32 scales) keep their dtype
+            param.data = param.data.to(device=device)
+            continue
         param.data = param.data.to(device=device, dtype=(expert_dtype or dtype) if id(param) in experts else dtype)
     model.tie_weights()
     model.reset_rotary()
@@ -215,13 +233,16 @@ def cast_model(model: Qwen3ForCausalLM, dtype: torch.dtype, device=None, *, copy
 
 @torch.no_grad()
 def load_model(path, dtype=None, device="cpu", parallel: TensorParallel = SINGLE,
-               expert_dtype=None) -> Qwen3ForCausalLM:
+               expert_dtype=None, quantization: str | None = None) -> Qwen3ForCausalLM:
     """The checkpoint at `path` as this rank's model in `dtype` (None: the config's) on `device`;
-    MoE experts in `expert_dtype` (None: dtype)."""
+    MoE experts in `expert_dtype` (None: dtype). A quantized checkpoint's linears hold its
+    quantized tensors; quantization="int8" quantizes an unquantized one's as it loads."""
     d = _checkpoint_dir(path)
     config = load_config(d)
+    quant = load_quant_config(d, quantization)
+    stored = quant if quant is not None and quant.in_checkpoint else None
     dtype = resolve_dtype(dtype or config.torch_dtype)
-    model = empty_model(config, dtype, device, parallel, resolve_dtype(expert_dtype or dtype))
+    model = empty_model(config, dtype, device, parallel, resolve_dtype(expert_dtype or dtype), stored)
     params = dict(model.named_parameters())  # tied: lm_head.weight is the embedding, listed once
     loaded: set[str] = set()
     experts = _ExpertPieces(model, parallel)
@@ -231,24 +252,38 @@ def load_model(path, dtype=None, device="cpu", parallel: TensorParallel = SINGLE
                 if experts.load(name, f, params, file.name):
                     continue
                 if name not in params:
-                    if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
+                    if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings) \
+                            or _symmetric_zero_point(name, f, params):
                         continue
                     raise CheckpointError(f"unexpected weight {name!r} in {file.name}")
                 param = params[name]
                 source = f.get_slice(name)  # reads nothing until sliced
                 shape = tuple(source.get_shape())
-                if shape != _full_shape(model, name, param):
+                if shape != _full_shape(model, name, param, stored):
                     raise CheckpointError(
                         f"shape mismatch for {name!r}: checkpoint has {shape}, "
-                        f"model expects {_full_shape(model, name, param)}"
+                        f"model expects {_full_shape(model, name, param, stored)}"
                     )
-                param.copy_(shard_of(name, source, shape, parallel, config.vocab_size))
+                param.copy_(convert_loaded(name, shard_of(name, source, shape, parallel, config.vocab_size)))
                 loaded.add(name)
     missing = sorted(set(params) - loaded - experts.complete())
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"missing weight {missing[0]!r}{more} in {str(d)!r}")
+    if quant is not None and not quant.in_checkpoint:
+        quantize_at_load(model, quant)
+    model.quant = quant
     return model
+
+
+def _symmetric_zero_point(name: str, f, params: dict) -> bool:
+    """Whether `name` is the zero point of a symmetric int8 weight (compressed-tensors may write
+    them, all zeros): nothing to load. Nonzero ones are an asymmetric format raylm does not serve."""
+    if not name.endswith(".weight_zero_point") or name.removesuffix("_zero_point") not in params:
+        return False
+    if f.get_tensor(name).count_nonzero().item():
+        raise CheckpointError(f"{name} is not all zeros: asymmetric int8 weights are not supported")
+    return True
 
 
 class _ExpertPieces:
@@ -302,21 +337,24 @@ class _ExpertPieces:
         return done
 
 
-def _full_shape(model: Qwen3ForCausalLM, name: str, param) -> tuple[int, ...]:
+def _full_shape(model: Qwen3ForCausalLM, name: str, param, quant: QuantConfig | None = None) -> tuple[int, ...]:
     """The whole (unsharded) shape of parameter `name`, as the checkpoint stores it."""
     if not model.parallel.enabled:
         return tuple(param.shape)
-    return tuple(_meta_full(model.config).get_parameter(name).shape)
+    return tuple(_meta_full(model.config, quant).get_parameter(name).shape)
 
 
-_META_FULL: dict = {}  # Qwen3Config -> the whole model on meta (shapes only)
+_META_FULL: dict = {}  # (Qwen3Config, QuantConfig) -> the whole model on meta (shapes only)
 
 
-def _meta_full(config: Qwen3Config) -> Qwen3ForCausalLM:
-    if config not in _META_FULL:
+def _meta_full(config: Qwen3Config, quant: QuantConfig | None = None) -> Qwen3ForCausalLM:
+    if (config, quant) not in _META_FULL:
         with torch.device("meta"):
-            _META_FULL[config] = Qwen3ForCausalLM(config)
-    return _META_FULL[config]
+            model = Qwen3ForCausalLM(config)
+            if quant is not None:
+                attach(model, quant)
+            _META_FULL[config, quant] = model
+    return _META_FULL[config, quant]
 
 
 @torch.no_grad()

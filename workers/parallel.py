@@ -216,13 +216,32 @@ class ShardedShape:
                    local, r * local if ep else 0, inter if ep else inter // w)
 
 
-# parameter name suffix -> the dim split across ranks (0: output rows, 1: input columns)
-_COLUMN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias",
-           "gate_proj.weight", "up_proj.weight")
-_ROW = ("o_proj.weight", "down_proj.weight")
-_ROW_BIAS = ("o_proj.bias", "down_proj.bias")
+# A linear's tensors by the linear's kind and the tensor's name (its full-precision weight and bias,
+# and the quantized formats' tensors, workers/quant) -> the dim split across ranks; "first": whole on
+# rank 0 and zeros elsewhere (a row-parallel linear's output bias, added once after the sum); absent:
+# every rank holds it whole (per-output scales of a row-parallel linear, per-tensor input scales).
+_COLUMN_LINEARS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROW_LINEARS = ("o_proj", "down_proj")
+_COLUMN_SPLIT = {"weight": 0, "bias": 0, "weight_scale": 0, "weight_offset": 0, "quant_bias": 0, "deq_scale": 0,
+                 "qweight": 1, "qzeros": 1, "scales": 1}  # AWQ's are [in, out] (packed along out)
+_ROW_SPLIT = {"weight": 1, "bias": "first", "quant_bias": "first", "qweight": 0, "qzeros": 0, "scales": 0}
 _VOCAB = ("embed_tokens.weight", "lm_head.weight")
 _EXPERTS = ("experts.gate_up_proj", "experts.down_proj")  # a MoE layer's stacked experts
+
+
+def _split_of(name: str):
+    """How tensor `name` is split across ranks: a dim, "first", "vocab", "experts" or None (whole)."""
+    if name.endswith(_VOCAB):
+        return "vocab"
+    if name.endswith(_EXPERTS):
+        return "experts"
+    module, _, tensor = name.rpartition(".")
+    kind = module.rpartition(".")[2]
+    if kind in _COLUMN_LINEARS:
+        return _COLUMN_SPLIT.get(tensor)
+    if kind in _ROW_LINEARS:
+        return _ROW_SPLIT.get(tensor)
+    return None
 
 
 def shard_of(name: str, source, full_shape: tuple[int, ...], parallel: TensorParallel,
@@ -230,13 +249,14 @@ def shard_of(name: str, source, full_shape: tuple[int, ...], parallel: TensorPar
     """This rank's part of weight `name` read from `source`, which slices like a tensor
     (a tensor, or safetensors' get_slice: only the slice is read from disk)."""
     w, r = parallel.world_size, parallel.rank
-    if w == 1 or not name.endswith(_COLUMN + _ROW + _ROW_BIAS + _VOCAB + _EXPERTS):
+    split = _split_of(name)
+    if w == 1 or split is None:
         return source[:]
-    if name.endswith(_EXPERTS):
+    if split == "experts":
         return _expert_shard(name, source, full_shape, parallel)
-    if name.endswith(_ROW_BIAS):  # added once, by rank 0
+    if split == "first":  # added once, by rank 0
         return source[:] if r == 0 else torch.zeros_like(source[:])
-    if name.endswith(_VOCAB):
+    if split == "vocab":
         rows = padded_vocab(vocab_size, w) // w
         start, stop = r * rows, min((r + 1) * rows, full_shape[0])
         part = source[start:max(start, stop)] if start < full_shape[0] else source[0:0]
@@ -245,10 +265,8 @@ def shard_of(name: str, source, full_shape: tuple[int, ...], parallel: TensorPar
         out = torch.zeros((rows, *full_shape[1:]), dtype=part.dtype)  # the padding rows
         out[: part.shape[0]].copy_(part)
         return out
-    dim = 0 if name.endswith(_COLUMN) else 1
-    size = full_shape[dim] // w
-    return source[r * size:(r + 1) * size] if dim == 0 else source[:, r * size:(r + 1) * size]
-
+    size = full_shape[split] // w
+    return source[r * size:(r + 1) * size] if split == 0 else source[:, r * size:(r + 1) * size]
 
 
 def _expert_shard(name: str, source, full_shape: tuple[int, ...], parallel: TensorParallel) -> torch.Tensor:

@@ -48,6 +48,7 @@ from workers.loader import (
 from workers.models.qwen3 import Qwen3ForCausalLM
 from workers.ops import get_op_table
 from workers.parallel import SINGLE, TensorParallel
+from workers.quant import QuantConfig, quantize_at_load
 from workers.resident import ResidentOutputs
 from workers.runner_config import RunnerConfig, device_outputs_enabled
 from workers.sampling.grammar_masks import GrammarMasks
@@ -146,13 +147,22 @@ class ModelRunner:
             stored = resolve_dtype(load_config(path).torch_dtype)
             dtype = compute_dtype(self.device, stored, requested)
             model = load_model(path, dtype=dtype, device=self.device, parallel=parallel,
-                               expert_dtype=expert_dtype_for(stored, dtype))
+                               expert_dtype=expert_dtype_for(stored, dtype), quantization=config.quantization)
             tokenizer_size = _tokenizer_size(path)
         self.weights_dtype = stored or model.dtype
         dtype = compute_dtype(self.device, self.weights_dtype, requested)
         if model.dtype != dtype or model.model.embed_tokens.weight.device != self.device:
             model = cast_model(model, dtype, self.device, copy=given,  # a caller's model stays as it was
                                expert_dtype=expert_dtype_for(self.weights_dtype, dtype))
+        if config.quantization is not None and model.quant is None:  # random weights, or a caller's model
+            if given:
+                raise ValueError("quantization applies to the checkpoint or random spec a worker loads, not to a "
+                                 "model passed in")
+            if config.quantization != "int8":
+                raise ValueError(f"quantization={config.quantization!r} names a checkpoint's format; "
+                                 f"{config.model} is random weights (quantization='int8' quantizes them)")
+            model.quant = QuantConfig("int8", "w8a8-dynamic")
+            quantize_at_load(model, model.quant)
         self._narrow_embedding = None  # the dtype the embedding is kept in, when narrower than dtype
         if dtype != self.weights_dtype:
             log.info("%s weights compute in %s on %s", self.weights_dtype, dtype, self.device)
@@ -387,6 +397,7 @@ class ModelRunner:
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "weights_dtype": str(self.weights_dtype).removeprefix("torch."),
             "weight_bytes": self.model.weight_bytes(),  # this rank's, as held: parameters and prepared copies
+            "quantization": None if self.model.quant is None else self.model.quant.describe(),
             "moe": self.moe_report(),
             "device_outputs": self.device_outputs,
             "weights_fingerprint": self.weights_fingerprint,

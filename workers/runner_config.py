@@ -18,6 +18,9 @@ STEP_CHANNELS = ("socket", "ray")  # how a worker gets its steps (workers/step_c
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 ENV_DEVICE_OUTPUTS = "RAYLM_DEVICE_OUTPUTS"
+# what `quantization` may name (workers/quant/config.py): "int8" quantizes an unquantized checkpoint at
+# load; the others (vLLM's names; "ascend" is vllm-ascend's for msmodelslim) assert the checkpoint's own
+QUANTIZATIONS = ("int8", "compressed-tensors", "awq", "ascend")
 
 
 def canonical_dtype(name: str) -> str:
@@ -28,6 +31,12 @@ def canonical_dtype(name: str) -> str:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)} (or {', '.join(DTYPE_ALIASES)}), "
                          f"got {name!r}")
     return key
+
+
+def check_quantization(value) -> str | None:
+    if value is not None and value not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} or None, got {value!r}")
+    return value
 
 
 def device_outputs_enabled(flag: bool | None = None) -> bool:
@@ -57,6 +66,7 @@ class RunnerConfig:
     device_index: int | None = None
     dtype: str | None = None  # one of DTYPE_NAMES; None -> device.compute_dtype (the weights'
     # own, except bf16/fp16 weights on a CPU without native half matmuls: float32)
+    quantization: str | None = None  # one of QUANTIZATIONS; None: the checkpoint's own, if any
     block_size: int = 16
     num_kv_blocks: int | None = None  # CPU: the pool size (default 512); accelerators: None -> memory_fraction
     memory_fraction: float = 0.9

@@ -80,6 +80,7 @@ class LocalEngine:
             eos_token_ids,
             is_random_spec,
             load_config,
+            load_quant_config,
             load_tokenizer,
             parse_random_spec,
             random_spec_config,
@@ -95,6 +96,7 @@ class LocalEngine:
             self.tokenizer, self.eos_token_ids = None, frozenset()
         else:
             check_shardable(load_config(self.model_path), tp, cfg.enable_expert_parallel)  # before any actor starts
+            load_quant_config(self.model_path, cfg.quantization)  # a format raylm cannot serve fails here
             self.tokenizer = load_tokenizer(self.model_path)
             self.eos_token_ids = frozenset(eos_token_ids(self.model_path))
             if cfg.generation_config == "auto":

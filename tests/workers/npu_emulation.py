@@ -4,8 +4,20 @@ Each op follows the documented semantics of torch_npu / CANN (argument names, la
 dtypes, the compressed causal mask of sparse_mode 3, TND's cumulative actual_seq_lengths,
 the MoE routing's index conventions) and refuses what the real op refuses, so layout,
 mask and argument mistakes in workers/ops/npu.py fail here instead of on an Ascend
-machine. It is not torch_npu: it knows nothing of NZ formats, quantization or the many
-arguments raylm never passes (a non-default one raises).
+machine. It is not torch_npu: it knows nothing of NZ formats or the many arguments raylm never
+passes (a non-default one raises).
+
+The quantized-linear ops follow their documented arithmetic (torch_npu's API pages and op-plugin's
+golden tests): npu_dynamic_quant's per-row scale max |x| / 127 and round(x / scale) in fp32;
+npu_quantize (div_mode=False) round(x * scales + zero_points) in fp32, round half to even, then
+clamped to int8; npu_quant_matmul's exact int32 sums, + an int32 bias, then x the scale (an int64
+one from npu_trans_quant_param read back as its fp32 bits, which that op truncates to the high 19
+as the hardware does) and the per-token scale in fp32, cast to output_dtype last;
+npu_convert_weight_to_int4pack's 8 int4 per int32, element 8i + j in bits 4j..4j+3;
+npu_weight_quant_batchmatmul's (weight + antiquant_offset) * antiquant_scale per group, the weight
+so dequantized rounded to x's dtype, fp32 sums. Where the documented dtype combinations differ
+between torch_npu releases, the stricter is enforced (npu_quantize's scales in the input's dtype;
+a float16 npu_quant_matmul without per-token scales takes only the int64 scale).
 
 What a real op leaves undefined the emulation fills with NaN (init_routing_v2's rows past
 the pairs it kept, npu_grouped_matmul's rows past its groups), so a table that reads them
@@ -419,6 +431,142 @@ def build(emu: EmulatedNpu, without: tuple[str, ...] = ()) -> tuple[types.Module
               f"active_expert_range) is not skipped by the A2/A3 kernel")
         rows = permuted_tokens.float()[sorted_indices.long()].view(*probs.shape, -1)
         return (rows * probs.float()[..., None]).sum(dim=1).to(permuted_tokens.dtype)
+
+    # -- quantized linears: W8A8 (dynamic / static) and W4A16 --
+    @op
+    def npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None):
+        """Symmetric per-token int8: scale = max |x| / 127 per row (fp32, x's shape without the last dim),
+        y = round(x / scale) in fp32."""
+        name = "npu_dynamic_quant"
+        _need(smooth_scales is None and group_index is None, f"{name}: smooth_scales / group_index are not emulated")
+        _need(dst_type in (None, torch.int8), f"{name}: only int8 output is emulated, got {dst_type}")
+        _need(x.dtype in HALF, f"{name}: x must be float16/bfloat16, got {x.dtype}")
+        _need(x.dim() > 1, f"{name}: x must have more than one dimension, got {tuple(x.shape)}")
+        xf = x.float()
+        scale = xf.abs().amax(dim=-1, keepdim=True) / 127
+        y = torch.where(scale > 0, torch.round(xf / scale), 0.0).clamp(-128, 127)
+        return y.to(torch.int8), scale.squeeze(-1)
+
+    @op
+    def npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True):
+        """div_mode=False (multiply): round(input * scales + zero_points) in fp32, half to even, clamped to int8."""
+        name = "npu_quantize"
+        _need(div_mode is False, f"{name}: only div_mode=False (scales multiply) is emulated")
+        _need(dtype == torch.qint8, f"{name}: only torch.qint8 output is emulated, got {dtype}")
+        _need(isinstance(axis, int) and axis > -2, f"{name}: only the last axis (axis > -2) is emulated, got {axis!r}")
+        _need(input.dtype in FLOATS, f"{name}: input must be float16/bfloat16/float32, got {input.dtype}")
+        _need(scales.dtype == input.dtype, f"{name}: with div_mode=False scales must have input's dtype "
+              f"{input.dtype}, got {scales.dtype}")
+        width = input.shape[-1]
+        _need(scales.dim() == 1 and scales.shape[0] in (1, width),
+              f"{name}: scales must be 1-D of the last dim ({width}) or 1, got {tuple(scales.shape)}")
+        _need(zero_points is None or (zero_points.shape == scales.shape and zero_points.dtype == scales.dtype),
+              f"{name}: zero_points must match scales' shape and dtype")
+        y = input.float() * scales.float() + (0.0 if zero_points is None else zero_points.float())
+        return torch.round(y).clamp(-128, 127).to(torch.int8)
+
+    @op
+    def npu_trans_quant_param(scale, offset=None):
+        """fp32 scale -> int64: its bits' high 19 kept (& 0xFFFFE000) in the low word, bit 46 set."""
+        name = "npu_trans_quant_param"
+        _need(offset is None, f"{name}: offset is not emulated")
+        _need(scale.dtype == torch.float32 and scale.dim() in (1, 2), f"{name}: scale must be fp32 (t,) or (1, n), "
+              f"got {scale.dtype} {tuple(scale.shape)}")
+        bits = scale.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        return (bits & 0xFFFFE000) | (1 << 46)
+
+    @op
+    def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, output_dtype=None, **rest):
+        """(x1 @ x2 exact in int32 [+ int32 bias]) * scale [* pertoken_scale per row] in fp32 [+ a float bias],
+        cast to output_dtype. x1 int8 [m, k], x2 int8 [k, n]."""
+        name = "npu_quant_matmul"
+        _need(all(v is None for v in rest.values()), f"{name}: unemulated arguments {sorted(rest)}")
+        _need(offset is None, f"{name}: offset (int8 output) is not emulated")
+        _need(output_dtype in HALF, f"{name}: only float16/bfloat16 output is emulated, got {output_dtype}")
+        _need(x1.dtype == torch.int8 and x2.dtype == torch.int8,
+              f"{name}: x1 and x2 must be int8 (int32 int4 is not emulated), got {x1.dtype}, {x2.dtype}")
+        _need(x1.dim() == 2 and x2.dim() == 2, f"{name}: only 2-D x1 [m, k] and x2 [k, n] are emulated")
+        (m, k), n = x1.shape, x2.shape[1]
+        _need(x2.shape[0] == k, f"{name}: x1 is [m, {k}] but x2 [{x2.shape[0]}, n] (x2 is [k, n])")
+        _need(scale.dim() == 1 and scale.shape[0] in (1, n), f"{name}: scale must be 1-D of n ({n}) or 1, "
+              f"got {tuple(scale.shape)}")
+        _need(pertoken_scale is None or (pertoken_scale.dtype == torch.float32 and pertoken_scale.shape == (m,)),
+              f"{name}: pertoken_scale must be fp32 [m={m}]")
+        _need(bias is None or (bias.dim() == 1 and bias.shape[0] == n), f"{name}: bias must be [n={n}]")
+        if output_dtype == torch.bfloat16:
+            scales, biases = (torch.float32, torch.bfloat16), (torch.int32, torch.bfloat16, torch.float32)
+        elif pertoken_scale is not None:
+            scales, biases = (torch.float32,), (torch.int32, torch.float16, torch.float32)
+        else:  # float16 out without per-token scales: the scale from npu_trans_quant_param
+            scales, biases = (torch.int64,), (torch.int32,)
+        _need(scale.dtype in scales, f"{name}: output {output_dtype} with pertoken_scale "
+              f"{'set' if pertoken_scale is not None else 'None'} takes scale {scales}, got {scale.dtype}")
+        _need(bias is None or bias.dtype in biases, f"{name}: bias {bias.dtype if bias is not None else None} "
+              f"not one of {biases} for output {output_dtype}")
+        acc = x1.to(torch.int64) @ x2.to(torch.int64)
+        _need(bool((acc.abs() < 2 ** 31).all()), f"{name}: int32 sums overflow")
+        if bias is not None and bias.dtype == torch.int32:
+            acc = acc + bias
+        s = (scale & 0xFFFFFFFF).to(torch.int32).view(torch.float32) if scale.dtype == torch.int64 else scale.float()
+        y = acc.float() * s
+        if pertoken_scale is not None:
+            y = y * pertoken_scale[:, None]
+        if bias is not None and bias.dtype != torch.int32:
+            y = y + bias.float()
+        return y.to(output_dtype)
+
+    @op
+    def npu_convert_weight_to_int4pack(weight, inner_k_tiles=0):
+        """int32 [rows, cols] of int4 values -> int32 [rows, cols / 8]: element 8i + j in bits 4j..4j+3."""
+        name = "npu_convert_weight_to_int4pack"
+        _need(inner_k_tiles == 0, f"{name}: inner_k_tiles is reserved (0)")
+        _need(weight.dtype == torch.int32 and weight.dim() == 2 and weight.is_contiguous(),
+              f"{name}: weight must be a contiguous 2-D int32 tensor, got {weight.dtype} {tuple(weight.shape)}")
+        rows, cols = weight.shape
+        _need(cols % 8 == 0, f"{name}: the last dim must be a multiple of 8, got {cols}")
+        _need(bool(((weight >= -8) & (weight <= 7)).all()), f"{name}: values must be int4, in [-8, 7]")
+        nibbles = (weight.to(torch.int64) & 0xF).view(rows, cols // 8, 8) << (4 * torch.arange(8))
+        packed = nibbles.sum(dim=-1)
+        return (packed - (packed >= 2 ** 31).to(torch.int64) * 2 ** 32).to(torch.int32)
+
+    @op
+    def npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=None, quant_scale=None,
+                                     quant_offset=None, bias=None, antiquant_group_size=0, inner_precise=0):
+        """x [m, k] @ ((weight + antiquant_offset) * antiquant_scale), per group of antiquant_group_size inputs
+        (0: per channel), the weight int4 packed in int32 [k, n / 8] (or int8 [k, n])."""
+        name = "npu_weight_quant_batchmatmul"
+        _need(quant_scale is None and quant_offset is None and bias is None,
+              f"{name}: quant_scale / quant_offset / bias are not emulated")
+        _need(inner_precise in (0, 1), f"{name}: inner_precise must be 0 or 1")
+        _need(x.dtype in HALF and x.dim() == 2, f"{name}: x must be 2-D float16/bfloat16, got {x.dtype} "
+              f"{tuple(x.shape)}")
+        _need(weight.dim() == 2 and weight.is_contiguous() and weight.dtype in (torch.int32, torch.int8),
+              f"{name}: only a contiguous [k, n] int8 / int4-in-int32 [k, n / 8] weight is emulated")
+        k = x.shape[1]
+        _need(weight.shape[0] == k, f"{name}: the k of x ({k}) and weight ({weight.shape[0]}) differ")
+        g = antiquant_group_size
+        _need(g == 0 or (g % 32 == 0 and 32 <= g <= k - 1), f"{name}: antiquant_group_size must be 0 or a "
+              f"multiple of 32 in [32, k - 1 = {k - 1}], got {g}")
+        if weight.dtype == torch.int32:
+            shifts = 4 * torch.arange(8)
+            nib = ((weight.to(torch.int64)[..., None] >> shifts) & 0xF).view(k, -1)
+            q = torch.where(nib >= 8, nib - 16, nib)
+        else:
+            q = weight.to(torch.int64)
+        n = q.shape[1]
+        groups = -(-k // g) if g else 1
+        _need(antiquant_scale.dtype == x.dtype, f"{name}: antiquant_scale must have x's dtype {x.dtype}, "
+              f"got {antiquant_scale.dtype}")
+        _need(tuple(antiquant_scale.shape) == (groups, n) or (not g and tuple(antiquant_scale.shape) == (n,)),
+              f"{name}: antiquant_scale must be [{groups}, {n}], got {tuple(antiquant_scale.shape)}")
+        _need(antiquant_offset is None or (antiquant_offset.shape == antiquant_scale.shape
+                                           and antiquant_offset.dtype == antiquant_scale.dtype),
+              f"{name}: antiquant_offset must match antiquant_scale's shape and dtype")
+        rows = torch.arange(k) // g if g else torch.zeros(k, dtype=torch.int64)
+        scale = antiquant_scale.view(groups, n).float()[rows]
+        off = 0.0 if antiquant_offset is None else antiquant_offset.view(groups, n).float()[rows]
+        w = ((q.float() + off) * scale).to(x.dtype)
+        return (x.float() @ w.float()).to(x.dtype)
 
     # -- torch.npu: streams, events, graph task groups, memory --
     class Stream:

@@ -25,6 +25,8 @@ from workers.models.qwen3_moe import Qwen3SparseMoeBlock
 from workers.models.rope import RopeConfig
 from workers.ops.base import AttentionMetadata, OpTable
 from workers.parallel import SINGLE, ShardedShape, TensorParallel
+from workers.quant.linear import QuantizedLinear, quant_weight
+from workers.quant.weights import fuse
 
 
 @dataclass(frozen=True)
@@ -147,9 +149,9 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def prepare(self, ops: OpTable) -> dict:
-        return {"qkv": ops.prepare_linear(*_fused(self.q_proj, self.k_proj, self.v_proj)),
-                "o": ops.prepare_linear(self.o_proj.weight, self.o_proj.bias)}
+    def prepare(self, ops: OpTable, dtype: torch.dtype | None = None) -> dict:
+        return {"qkv": _prepare_linear(ops, dtype, self.q_proj, self.k_proj, self.v_proj),
+                "o": _prepare_linear(ops, dtype, self.o_proj)}
 
     def forward(self, ops: OpTable, w: dict, x, cos, sin, kv_cache: KVCache, layer: int,
                 attn: AttentionMetadata):
@@ -176,13 +178,26 @@ class Qwen3MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, inter, bias=False)
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
 
-    def prepare(self, ops: OpTable) -> dict:
-        return {"gate_up": ops.prepare_linear(*_fused(self.gate_proj, self.up_proj)),
-                "down": ops.prepare_linear(self.down_proj.weight, None)}
+    def prepare(self, ops: OpTable, dtype: torch.dtype | None = None) -> dict:
+        return {"gate_up": _prepare_linear(ops, dtype, self.gate_proj, self.up_proj),
+                "down": _prepare_linear(ops, dtype, self.down_proj)}
 
     def forward(self, ops: OpTable, w: dict, x: torch.Tensor) -> torch.Tensor:
         out = ops.linear(ops.silu_and_mul(ops.linear(x, w["gate_up"])), w["down"])  # [T, hidden]
         return self.parallel.all_reduce(out)  # summed over the ranks
+
+
+def _prepare_linear(ops: OpTable, dtype: torch.dtype | None, *linears: nn.Module):
+    """The op table's handle for linears that read one input (q/k/v, gate/up: fused along out; or
+    one linear), full precision or quantized (workers/quant; computing in `dtype`)."""
+    if not isinstance(linears[0], QuantizedLinear):
+        return ops.prepare_linear(*_fused(*linears)) if len(linears) > 1 else \
+            ops.prepare_linear(linears[0].weight, linears[0].bias)
+    if not all(isinstance(m, QuantizedLinear) for m in linears):
+        raise ValueError("linears that read one input must all be quantized or none: "
+                         f"{[type(m).__name__ for m in linears]}")
+    bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
+    return ops.prepare_quantized_linear(fuse([quant_weight(m) for m in linears]), bias, dtype=dtype)
 
 
 @torch.no_grad()
@@ -271,6 +286,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.register_buffer("inv_freq", config.inv_freq("cpu"), persistent=False)
         self.prepared = PreparedWeights()  # set by prepare(ops)
         self.released = False  # set by prepare(release=True)
+        self.quant = None  # the QuantConfig its quantized linears came from (workers/quant), set by the loader
         self.embedding_in_lm_head = False  # a tied embedding's lookups read the lm_head's prepared copy
 
     def tie_weights(self) -> None:
@@ -353,7 +369,7 @@ class Qwen3ForCausalLM(nn.Module):
         keep = {_storage_key(self.model.embed_tokens.weight)}
         layers = []
         for layer in self.model.layers:
-            layers.append({**layer.self_attn.prepare(ops), **layer.mlp.prepare(ops)})
+            layers.append({**layer.self_attn.prepare(ops, self.dtype), **layer.mlp.prepare(ops, self.dtype)})
             if release:
                 _release(layer.parameters(), layers[-1], keep)
         weight = self.lm_head.weight

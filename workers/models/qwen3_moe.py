@@ -48,7 +48,7 @@ class Qwen3SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)  # the router
         self.experts = Qwen3MoeExperts(config, parallel)
 
-    def prepare(self, ops: OpTable) -> dict:
+    def prepare(self, ops: OpTable, dtype: torch.dtype | None = None) -> dict:
         e = self.experts
         return {"router": ops.prepare_linear(self.gate.weight, None),
                 "experts": ops.prepare_moe(e.gate_up_proj, e.down_proj, e.first_expert, e.num_experts,

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from workers.quant.weights import reference_linear
+
 
 @dataclass
 class AttentionMetadata:
@@ -114,15 +116,34 @@ def route_tokens(router_logits: torch.Tensor, top_k: int,
     return weights.to(router_logits.dtype), ids
 
 
+class QuantLinear:
+    """A prepared quantized linear (workers/quant): the weight, the tensors `run` made of it
+    (`held`: a kernel's packed layout; counted in weight_bytes), and `path`, the name of how it
+    runs (stats()["ops"]["quantized"])."""
+
+    def __init__(self, path: str, run, weight, bias: torch.Tensor | None, held: list | None = None) -> None:
+        self.path, self.run, self.weight, self.bias, self.held = path, run, weight, bias, held or []
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out] in x.dtype, the bias added."""
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        y = self.run(x2)
+        if self.bias is not None:
+            y = y + self.bias
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+
+
 class OpTable:
     """Everything the model computes with besides plain tensor views."""
 
     name = "base"
     attention: AttentionBackend
+    quant_paths: frozenset = frozenset()  # how the quantized linears prepared so far run
 
     def describe(self) -> dict:
         """Which paths this table runs (reported in the runner's stats())."""
-        return {"table": self.name, "attention": self.attention.name}
+        quantized = {"quantized": ",".join(sorted(self.quant_paths))} if self.quant_paths else {}
+        return {"table": self.name, "attention": self.attention.name, **quantized}
 
     # -- linear layers: weights prepared once at load (packed, reordered, fused) --
     def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -131,8 +152,23 @@ class OpTable:
 
     def linear(self, x: torch.Tensor, handle) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
+        if isinstance(handle, QuantLinear):
+            return handle(x)
         weight, bias = handle
         return torch.nn.functional.linear(x, weight, bias)
+
+    def prepare_quantized_linear(self, weight, bias: torch.Tensor | None = None,
+                                 dtype: torch.dtype | None = None) -> QuantLinear:
+        """A quantized weight (workers/quant: Int8Weight, Int4Weight) whose activations will be
+        `dtype` -> the handle `linear` takes. Default: the format's arithmetic in plain torch
+        (workers/quant/weights.py), which defines correct."""
+        return self._quantized("reference", lambda x: reference_linear(x, weight), weight, bias)
+
+    def _quantized(self, path: str, run, weight, bias, held: list | None = None) -> QuantLinear:
+        """A QuantLinear handle, its path recorded for describe()."""
+        path = f"{weight.scheme}:{path}"
+        self.quant_paths = self.quant_paths | {path}
+        return QuantLinear(path, run, weight, bias, held)
 
     def linear_argmax(self, x: torch.Tensor, handle, n: int) -> torch.Tensor:
         """argmax over the first n outputs of linear(x) per row, int64 [T], ties to the lowest
@@ -143,7 +179,7 @@ class OpTable:
     def linear_rows(self, handle, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
         """Rows `ids` of a prepared linear's weight, widened into out [T, in] (a tied embedding's
         lookups served by the lm_head's handle); None where the handle cannot give them back."""
-        if isinstance(handle, tuple):
+        if isinstance(handle, tuple):  # quantized handles cannot: the model keeps a tied embedding then
             weight = handle[0]
             return out.copy_(weight.index_select(0, ids)) if weight.dtype != out.dtype else \
                 torch.index_select(weight, 0, ids, out=out)

@@ -38,10 +38,12 @@ import torch
 import torch.nn.functional as F
 
 from workers.ops import cpu_kernels
+from workers.ops.base import QuantLinear
 from workers.ops.cpu_attention import make_cpu_attention
 from workers.ops.cpu_features import cpu_class, has_mkl_packed_linear, has_onednn_packed_linear
 from workers.ops.cpu_moe import CPUMoE
 from workers.ops.cpu_narrow import ALL, NarrowWeight, bf16_copy, choose_rows, forced_rows, narrow_linear
+from workers.ops.cpu_quant import Int4Paths, Int8Paths
 from workers.ops.reference import ReferenceOps
 
 LINEAR_PATHS = ("aten", "mkl-packed", "onednn-packed")
@@ -104,6 +106,8 @@ class CPUOps(ReferenceOps):
         self.fused = fused_elementwise_kernels()
         self.moe = CPUMoE()
         self.narrow_rows: dict[tuple[int, int], int] = {}  # per weight shape: what choose_rows measured
+        self.int8 = Int8Paths()
+        self.int4 = Int4Paths()
 
     def describe(self) -> dict:
         kernels = "built" if cpu_kernels.load() is not None else f"not built: {cpu_kernels.failure()}"
@@ -188,6 +192,8 @@ class CPUOps(ReferenceOps):
         return NarrowWeight(wide, narrow, weight.shape[0], bias, rows)
 
     def linear(self, x, handle):
+        if isinstance(handle, QuantLinear):
+            return handle(x)
         if isinstance(handle, NarrowWeight):
             if handle.takes(x):
                 return narrow_linear(cpu_kernels.load(), x, handle)
@@ -227,6 +233,13 @@ class CPUOps(ReferenceOps):
         if isinstance(handle, (MKLPackedWeight, OneDNNPackedWeight)):
             return out.copy_(self.linear(x, handle)[:, : out.shape[1]])
         return super().linear_into(x, handle, out)
+
+    def prepare_quantized_linear(self, weight, bias=None, dtype=None):
+        """W8A8 and W4A16 weights by the library kernels measured fastest here (cpu_quant.py)."""
+        dtype = dtype or (bias.dtype if bias is not None else torch.float32)
+        paths = self.int4 if weight.scheme == "w4a16" else self.int8
+        name, run, held = paths.prepare(weight, dtype)
+        return self._quantized(name, run, weight, bias, held)
 
     def prepare_moe(self, w13, w2, first_expert, num_experts, dtype=None):
         return self.moe.prepare(w13, w2, first_expert, num_experts, dtype)

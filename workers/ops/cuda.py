@@ -12,6 +12,16 @@
 - Without FlashInfer, or in float32 (FlashInfer takes float16 / bfloat16), attention
   falls back to the reference's gather + SDPA; decode graphs need FlashInfer.
 - Elementwise ops and GEMMs are the reference's (plain torch: cuBLAS on a GPU).
+- Quantized linears (workers/quant): W8A8 by `torch._int_mm` (int8 x int8 -> exact int32 sums,
+  the weight read as the column-major transpose of its [out, in] rows), the activations quantized
+  in torch first (per token, or by the static scale and offset) and the scales (and msmodelslim's
+  quant_bias) applied to the sums after; cuBLAS takes only more than 16 rows, so fewer are padded
+  with zero rows to 17, and in / out must be multiples of 8 (else the reference arithmetic).
+  W4A16 by torch's tinygemm `_weight_int4pack_mm` (bfloat16 only) over the weight repacked once
+  on the GPU by `_convert_weight_to_int4pack` (uint8 pairs, the even input in the high nibble),
+  scales_and_zeros [in / g, out, 2] in torch's convention w = (q - 8) * scale + zero, i.e. zero =
+  (8 - awq_zero) * scale; a weight not on a GPU, other group sizes (torch takes 32 / 64 / 128 /
+  256) or other activation dtypes take the reference arithmetic.
 - MoE experts: two torch._grouped_mm calls over all of a layer's experts
   (workers/ops/moe_grouped.py: no loop over experts, no host sync for weights in x's dtype;
   narrower weights widened per call, the hit experts only, as the reference does); the
@@ -28,12 +38,15 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.ops.base import AttentionBackend, AttentionMetadata, MoEWeights
+from workers.ops.base import AttentionBackend, AttentionMetadata, MoEWeights, QuantLinear
 from workers.ops.moe_grouped import grouped_mm_fits, grouped_mm_moe
 from workers.ops.reference import GatherSDPAAttention, ReferenceOps
+from workers.quant.weights import Int4Weight, Int8Weight, quantize_rows, quantize_static, reference_linear
 
 WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommended float workspace
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+INT_MM_MIN_ROWS = 17  # cuBLAS' int8 GEMM behind torch._int_mm takes more than 16 rows
+TINYGEMM_GROUPS = (32, 64, 128, 256)
 
 
 def flashinfer():
@@ -173,3 +186,68 @@ class CudaOpTable(ReferenceOps):
         if grouped_mm_fits(x, experts):
             return grouped_mm_moe(x, router_logits, experts, top_k, renormalize)
         return super().fused_moe(x, router_logits, experts, top_k, renormalize)
+
+    # -- quantized linears --
+    def prepare_quantized_linear(self, weight, bias=None, dtype=None) -> QuantLinear:
+        if isinstance(weight, Int4Weight):
+            packed = _tinygemm_pack(weight, dtype)
+            if packed is None:
+                return self._quantized("reference", lambda x: reference_linear(x, weight), weight, bias)
+            b, scales_zeros = packed
+
+            def run(x):
+                if x.dtype != torch.bfloat16 or not x.is_cuda:  # tinygemm computes bfloat16 on the GPU only
+                    return reference_linear(x, weight)
+                return torch.ops.aten._weight_int4pack_mm(x.contiguous(), b, weight.group_size, scales_zeros)
+            return self._quantized("tinygemm-int4", run, weight, bias)
+        if weight.in_features <= 16 or weight.in_features % 8 or weight.out_features % 8:
+            return self._quantized("reference", lambda x: reference_linear(x, weight), weight, bias)
+        return self._quantized("int-mm", _int8_linear(weight), weight, bias)
+
+
+def int8_sums(xq: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
+    """xq [T, in] int8 @ qweight [out, in].T -> exact int32 [T, out] by torch._int_mm; fewer than 17 rows
+    padded with zero rows (cuBLAS' limit; the CPU takes any, and pads alike so one path is tested)."""
+    t = xq.shape[0]
+    if t < INT_MM_MIN_ROWS:
+        xq = torch.cat([xq, xq.new_zeros(INT_MM_MIN_ROWS - t, xq.shape[1])])
+    return torch._int_mm(xq.contiguous(), qweight.t())[:t]
+
+
+def _int8_linear(w: Int8Weight):
+    """run(x [T, in]) -> [T, out] in x.dtype: the activations quantized as the reference quantizes them,
+    the exact int32 sums, then the scales in fp32."""
+    qweight = w.qweight.contiguous()  # read as its transpose: the column-major [in, out] cuBLAS wants
+    if w.dynamic:
+        scale = w.scale.float()
+
+        def run(x):
+            xq, sx = quantize_rows(x)  # per token: max |x| / 127
+            return int8_sums(xq, qweight).float().mul_(scale).mul_(sx[:, None]).to(x.dtype)
+        return run
+    quant_bias, deq = w.quant_bias.to(torch.int32), w.deq_scale.float()
+
+    def run(x):
+        return (int8_sums(quantize_static(x, w), qweight) + quant_bias).float().mul_(deq).to(x.dtype)
+    return run
+
+
+def tinygemm_scales_and_zeros(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """[in / g, out, 2] in dtype: torch's int4 kernels compute (q - 8) * scale + zero, which is AWQ's
+    (q - awq_zero) * scale for zero = (8 - awq_zero) * scale."""
+    scale = w.scales.float().t()
+    zero = (8 - w.zeros.float().t()) * scale
+    return torch.stack([scale, zero], dim=-1).to(dtype).contiguous()
+
+
+def _tinygemm_pack(w: Int4Weight, dtype: torch.dtype | None):
+    """(the weight in tinygemm's layout, scales_and_zeros) where torch's CUDA int4 kernel takes this weight
+    (on a GPU, bfloat16 activations, its group sizes, out a multiple of 8, in of 32); else None."""
+    k, n = w.in_features, w.out_features
+    if not w.qweight.is_cuda or dtype not in (None, torch.bfloat16) or w.group_size not in TINYGEMM_GROUPS \
+            or n % 8 or k % 32:
+        return None
+    tiles = next(t for t in (8, 4, 2) if k % (16 * t) == 0)  # inner k-tiles packed back to back
+    q = w.qweight.to(torch.uint8)
+    pairs = (q[:, ::2] << 4 | q[:, 1::2]).contiguous()  # [out, in / 2]: the even input in the high nibble
+    return torch.ops.aten._convert_weight_to_int4pack(pairs, tiles), tinygemm_scales_and_zeros(w, torch.bfloat16)

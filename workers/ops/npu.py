@@ -16,6 +16,17 @@
   (pairs sorted by expert, only this rank's `active_expert_range`, per-expert counts),
   `npu_grouped_matmul` twice around `npu_swiglu` over the experts laid out [E, in, out] once
   in `prepare_moe`, and `npu_moe_token_unpermute` (the weighted sum back to token order).
+- Quantized linears (workers/quant), as vllm-ascend runs them, the int8 weight laid out [in, out]
+  once in `prepare_quantized_linear` (the weight's own tensor becomes a transposed view of it):
+  W8A8 dynamic: `npu_dynamic_quant` (int8 rows, fp32 per-token scales) then `npu_quant_matmul`
+  (int32 sums x the fp32 per-channel scale x the per-token one); W8A8 static (msmodelslim):
+  `npu_quantize` (x * 1/input_scale + input_offset, both repeated to the input width in the
+  activations' dtype, round, clamp) then `npu_quant_matmul` with quant_bias and deq_scale (fp32
+  for bfloat16 outputs, `npu_trans_quant_param`'s int64 for float16 ones); W4A16 (AWQ):
+  `npu_weight_quant_batchmatmul` over the weight packed by `npu_convert_weight_to_int4pack`
+  ([in, out / 8] int32 holding q - 8) with antiquant_offset = 8 - zero, so (q - 8 + 8 - zero) *
+  scale, per group (group sizes the op takes: multiples of 32 below in; one group: per channel).
+  A W4A16 weight the op cannot take runs the reference arithmetic (describe() says "reference").
 
 torch_npu is imported when the table is built (get_op_table for an "npu" device), never at
 module import: importing it without the CANN toolkit breaks `import torch`. Tested on the CPU through an emulation of
@@ -29,7 +40,8 @@ from dataclasses import dataclass, field
 import torch
 
 from workers.block_sizes import check_npu_block_size
-from workers.ops.base import AttentionBackend, AttentionMetadata, MoEWeights, OpTable
+from workers.ops.base import AttentionBackend, AttentionMetadata, MoEWeights, OpTable, QuantLinear
+from workers.quant.weights import Int4Weight, Int8Weight, reference_linear
 
 MASK_SIZE = 2048  # sparse_mode 3 reads the causal mask compressed to this square
 NPU_DTYPES = (torch.float16, torch.bfloat16)
@@ -273,3 +285,76 @@ class NpuOpTable(OpTable):
             h = torch.where(kept[:, None], h, 0)  # the rows past the kept pairs are undefined: zero them
             src_to_row = torch.where(src_to_row < 0, pairs - 1, src_to_row)  # and read a dropped pair from one
         return npu.npu_moe_token_unpermute(permuted_tokens=h, sorted_indices=src_to_row, probs=weights)
+
+    # -- quantized linears --
+    def prepare_quantized_linear(self, weight, bias=None, dtype=None) -> QuantLinear:
+        """The weight laid out for torch_npu's quantized matmuls once, here (see the module docstring);
+        what depends on the activations' dtype (`dtype`, or each new one a call brings) is made once per dtype."""
+        if dtype is not None:
+            check_npu_dtype(dtype)
+        if isinstance(weight, Int4Weight):
+            return self._prepare_w4a16(weight, bias, dtype)
+        return self._prepare_w8a8(weight, bias, dtype)
+
+    def _prepare_w8a8(self, w: Int8Weight, bias, dtype) -> QuantLinear:
+        npu = torch_npu()
+        w_t = w.qweight.t().contiguous()  # [in, out], as npu_quant_matmul reads its x2 (vllm-ascend's layout)
+        w.qweight.data = w_t.t()  # held once: the [out, in] weight becomes a view of it (a second call copies nothing)
+        if w.dynamic:
+            scale = w.scale.float().contiguous()
+
+            def run(x):
+                check_npu_dtype(x.dtype)
+                xq, sx = npu.npu_dynamic_quant(x)  # int8 [T, in], fp32 [T]: max |x| / 127 per row
+                return npu.npu_quant_matmul(xq, w_t, scale, pertoken_scale=sx, bias=None, output_dtype=x.dtype)
+            return self._quantized("npu_quant_matmul", run, w, bias)
+
+        width = w.in_features
+
+        def params(dt):  # as vllm-ascend: 1/input_scale and the offset repeated to the input width, in x's dtype
+            inv, offset = (torch.full((width,), v, dtype=dt, device=w_t.device)
+                           for v in (1.0 / w.input_scale, float(w.input_offset)))
+            deq = w.deq_scale.float().contiguous()  # bfloat16 outputs take fp32; float16 ones the int64 form
+            return inv, offset, npu.npu_trans_quant_param(deq) if dt == torch.float16 else deq
+        by_dtype = _ByDtype(params, dtype)
+        quant_bias = w.quant_bias.to(torch.int32).contiguous()
+
+        def run(x):
+            check_npu_dtype(x.dtype)
+            inv, offset, deq = by_dtype[x.dtype]
+            xq = npu.npu_quantize(x, inv, offset, torch.qint8, -1, False)  # round(x * inv + offset), clamped
+            return npu.npu_quant_matmul(xq, w_t, deq, bias=quant_bias, output_dtype=x.dtype)
+        return self._quantized("npu_quant_matmul", run, w, bias)
+
+    def _prepare_w4a16(self, w: Int4Weight, bias, dtype) -> QuantLinear:
+        k, n, g = w.in_features, w.out_features, w.group_size
+        group = 0 if g >= k else g  # one group spanning the inputs is the per-channel case
+        if n % 8 or (group and (group % 32 or group > k - 1)):  # what npu_weight_quant_batchmatmul takes
+            return self._quantized("reference", lambda x: reference_linear(x, w), w, bias)
+        npu = torch_npu()
+        packed = npu.npu_convert_weight_to_int4pack((w.qweight.t().to(torch.int32) - 8).contiguous())  # [in, out/8]
+
+        def params(dt):  # [in / g, out] in x's dtype: weight = (q - 8 + (8 - zero)) * scale
+            return w.scales.t().to(dt).contiguous(), (8 - w.zeros.t().to(dt)).contiguous()
+        by_dtype = _ByDtype(params, dtype)
+
+        def run(x):
+            check_npu_dtype(x.dtype)
+            scale, offset = by_dtype[x.dtype]
+            return npu.npu_weight_quant_batchmatmul(x, packed, antiquant_scale=scale, antiquant_offset=offset,
+                                                    antiquant_group_size=group)
+        return self._quantized("npu_weight_quant_batchmatmul", run, w, bias)
+
+
+class _ByDtype(dict):
+    """Tensors a kernel takes in the activations' dtype, made once per dtype (`first` at once)."""
+
+    def __init__(self, make, first: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.make = make
+        if first is not None:
+            self[first] = make(first)
+
+    def __missing__(self, dtype):
+        value = self[dtype] = self.make(dtype)
+        return value

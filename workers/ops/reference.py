@@ -91,6 +91,8 @@ class ReferenceOps(OpTable):
         self.attention = GatherSDPAAttention()
 
     def linear_into(self, x, handle, out):
+        if not isinstance(handle, tuple):
+            return super().linear_into(x, handle, out)
         weight, bias = handle
         if bias is None and out.dtype == x.dtype:
             return torch.mm(x, weight[: out.shape[1]].t(), out=out)

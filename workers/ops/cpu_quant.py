@@ -1,0 +1,179 @@
+"""Quantized linears on the CPU (workers/quant), each format by a library kernel chosen by
+measurement per weight shape when the weight is prepared.
+
+W8A8 (int8 weights, activations quantized per token or by a static scale): int8 x int8 -> int32
+sums, then the scales, by either
+- "onednn-int8": oneDNN's quantized inner product (`torch.ops.onednn.qlinear_pointwise` over a
+  weight prepacked once by `qlinear_prepack`: AVX2 / AVX512-VNNI / AMX-INT8 kernels, whichever
+  the CPU has), the per-channel scales applied inside, the per-token ones after; or
+- "int-mm": `torch._int_mm` (int32 sums) and the scales applied after;
+whichever is faster at 1-64 rows here, among those whose int32 sums are exact on a probe of
+extreme values (a kernel that saturates 16-bit pair sums, as pre-VNNI int8 instructions can, is
+never chosen).
+
+W4A16 (AWQ: 4-bit weights, a scale and a zero point per group): `_weight_int4pack_mm_for_cpu`
+over a weight repacked once ("int4pack"; torch's own kernel, which unpacks each row of weights
+per output row and so is fast at a few rows only), and for more rows the weight dequantized to the
+compute dtype for that call and a GEMM ("dequant-gemm"); the row count where one overtakes the
+other is measured. The weight is held at 4 bits either way.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from workers.quant.weights import Int4Weight, Int8Weight, quantize_rows, quantize_static
+
+INT8_ENV = "RAYLM_CPU_INT8_GEMM"  # onednn-int8 | int-mm: that kernel, not the measured one
+INT4_ENV = "RAYLM_CPU_INT4_ROWS"  # N: int4pack up to N rows (0: never), not the measured crossover
+INT8_PATHS = ("onednn-int8", "int-mm")
+_PROBE_ROWS = (1, 16, 64)
+_INT4_ROWS = (1, 2, 4, 8, 16, 32, 64)
+_INT4_TILES = 2  # innerKTiles of torch's int4 packing (K must be a multiple of 16 * this)
+
+
+def _best_ms(f, reps: int = 3) -> float:
+    f()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+class Int8Paths:
+    """The int32 sums of int8 activations and an Int8Weight, by the kernel measured fastest."""
+
+    def __init__(self) -> None:
+        self.chosen: dict[tuple[int, int], str] = {}  # weight shape -> path
+
+    def prepare(self, w: Int8Weight, dtype: torch.dtype):
+        """-> (path name, run(x [T, in]) -> [T, out] in x.dtype, the tensors run holds)."""
+        shape = tuple(w.qweight.shape)
+        name = _forced(INT8_ENV, INT8_PATHS) or self.chosen.get(shape)
+        if name is None:
+            name = self.chosen[shape] = _fastest_exact(w)
+        sums, held = _int8_sums(name, w.qweight)
+        if w.dynamic:
+            def run(x):
+                xq, sx = quantize_rows(x)
+                return sums(xq, w.scale).mul_(sx[:, None]).to(x.dtype)
+        else:
+            bias = (w.quant_bias.double() * w.deq_scale.double()).float()  # (sums + quant_bias) * deq, distributed
+
+            def run(x):
+                return sums(quantize_static(x, w), w.deq_scale).add_(bias).to(x.dtype)
+        return name, run, held
+
+
+def _forced(env: str, choices: tuple[str, ...]) -> str | None:
+    value = os.environ.get(env)
+    if value is not None and value not in choices:
+        raise ValueError(f"{env} must be one of {', '.join(choices)}, got {value!r}")
+    if value == "onednn-int8" and not has_onednn_int8():
+        raise RuntimeError(f"{env}={value}, but oneDNN's int8 inner product is not in this torch build")
+    return value
+
+
+def has_onednn_int8() -> bool:
+    return hasattr(torch.ops.onednn, "qlinear_prepack") and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+def _int8_sums(name: str, qweight: torch.Tensor):
+    """-> (sums(xq [T, in], scale [out]) -> fp32 [T, out] = (xq @ qweight.T) * scale, tensors it holds)."""
+    if name == "onednn-int8":
+        packed = torch.ops.onednn.qlinear_prepack(qweight, None)  # oneDNN's blocked int8 layout
+        return (lambda xq, scale: _onednn_scaled(xq, packed, scale)), [packed]
+    return (lambda xq, scale: torch._int_mm(xq.contiguous(), qweight.t()).float().mul_(scale)), []
+
+
+def _onednn_scaled(xq: torch.Tensor, packed, scale: torch.Tensor) -> torch.Tensor:
+    zeros = torch.zeros(scale.shape[0], dtype=torch.int64)
+    return torch.ops.onednn.qlinear_pointwise(xq.contiguous(), 1.0, 0, packed, scale, zeros, None, 1.0, 0,
+                                               torch.float32, "none", [], "")
+
+
+def _fastest_exact(w: Int8Weight) -> str:
+    """The fastest path at _PROBE_ROWS rows whose sums are exact for all-(-128) operands (the
+    largest magnitude, 16384 * in, where 16-bit pair sums would saturate)."""
+    n, k = w.qweight.shape
+    names = INT8_PATHS if has_onednn_int8() else ("int-mm",)
+    extreme, ones = torch.full((17, k), -128, dtype=torch.int8), torch.ones(n)
+    times = {}
+    for name in names:
+        probe, _ = _int8_sums(name, torch.full((n, k), -128, dtype=torch.int8))
+        if not bool((probe(extreme, ones) == float(128 * 128 * k)).all()):
+            continue
+        sums, _ = _int8_sums(name, w.qweight)
+        times[name] = sum(_best_ms(functools.partial(sums, torch.ones(r, k, dtype=torch.int8), w.scale))
+                          for r in _PROBE_ROWS)
+    if not times:
+        raise RuntimeError(f"no exact int8 GEMM on this CPU for a {n}x{k} weight (tried {', '.join(names)})")
+    return min(times, key=times.get)
+
+
+class Int4Paths:
+    """Int4Weight (AWQ) linears: torch's int4 kernel at few rows, a dequantized GEMM past the row
+    count measured for that weight shape and dtype."""
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple, int] = {}  # (out, in, group, dtype) -> most rows int4pack runs (0: never)
+
+    def prepare(self, w: Int4Weight, dtype: torch.dtype):
+        """-> (path name, run(x [T, in]) -> [T, out] in x.dtype, the tensors run holds)."""
+        packed = _int4_pack(w, dtype)
+
+        def dequant(x):
+            return F.linear(x, w.dequantized(x.dtype))
+
+        if packed is None:
+            return "dequant-gemm", dequant, []
+        weight, scales_zeros = packed
+
+        def int4(x):
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), weight, w.group_size, scales_zeros)
+
+        key = (*w.qweight.shape, w.group_size, dtype)
+        forced = os.environ.get(INT4_ENV)
+        if forced is not None and not forced.isdecimal():
+            raise ValueError(f"{INT4_ENV} must be a row count (0: never int4pack), got {forced!r}")
+        if forced is None and key not in self.rows:
+            self.rows[key] = _int4_crossover(int4, dequant, w.in_features, dtype)
+        rows = int(forced) if forced is not None else self.rows[key]
+        if rows == 0:
+            return "dequant-gemm", dequant, []
+        return f"int4pack(<={rows} rows)", lambda x: int4(x) if x.shape[0] <= rows and x.dtype == dtype \
+            else dequant(x), [weight, scales_zeros]
+
+
+def _int4_pack(w: Int4Weight, dtype: torch.dtype):
+    """(torch's packed int4 weight, scales_and_zeros [in / g, out, 2]) in torch's convention
+    w = (q - 8) * scale + zero, i.e. zero = (8 - awq_zero) * scale; None where the kernel is absent
+    or does not take this shape / dtype."""
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32) or w.in_features % (16 * _INT4_TILES) \
+            or w.group_size not in (32, 64, 128, 256):
+        return None
+    try:
+        weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.qweight.to(torch.int32), _INT4_TILES)
+    except (AttributeError, RuntimeError):
+        return None
+    scale = w.scales.float().t()  # [in / g, out]
+    zero = (8 - w.zeros.float().t()) * scale
+    return weight, torch.stack([scale, zero], dim=-1).to(dtype).contiguous()
+
+
+def _int4_crossover(int4, dequant, k: int, dtype: torch.dtype) -> int:
+    """The most rows at which int4 is faster than dequant (0: at none)."""
+    rows = 0
+    for r in _INT4_ROWS:
+        x = torch.randn(r, k).to(dtype)
+        if _best_ms(functools.partial(int4, x)) >= _best_ms(functools.partial(dequant, x)):
+            break
+        rows = r
+    return rows
