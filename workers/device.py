@@ -209,6 +209,41 @@ def set_cpu_threads(n: int | None) -> None:
         pass  # already set, or inter-op work already ran: torch allows it only once
 
 
+HOST_HEAP_ENV = "RAYLM_CPU_HEAP"  # "keep" (the default) | "release": glibc's own thresholds
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # mallopt's parameter numbers
+_HEAP_KEEP = ((_M_MMAP_THRESHOLD, 1 << 30), (_M_TRIM_THRESHOLD, 1 << 30), (_M_TOP_PAD, 256 << 20))
+_heap_mode: str | None = None
+
+
+def keep_host_heap() -> str:
+    """Keep freed host memory in this process's heap for reuse ("kept"), where glibc would give
+    it back to the kernel: by default each freed block over 32 MiB (a prefill chunk's [T, N]
+    GEMM output, its int8 activations) is unmapped, and the heap's top trimmed, so every step
+    faults those pages in again, zeroed, before a kernel writes them. Raising the mmap and trim
+    thresholds (as the MALLOC_*_ environment variables would, or vLLM's advice to preload
+    tcmalloc) costs resident memory up to the steps' peak and no more. Process-wide, set once;
+    -> "kept", "release" (RAYLM_CPU_HEAP=release) or "glibc-absent"."""
+    global _heap_mode
+    if _heap_mode is None:
+        want = os.environ.get(HOST_HEAP_ENV, "keep")
+        if want not in ("keep", "release"):
+            raise ValueError(f"{HOST_HEAP_ENV} must be keep or release, got {want!r}")
+        _heap_mode = "release" if want == "release" else _mallopt(_HEAP_KEEP)
+    return _heap_mode
+
+
+def _mallopt(settings) -> str:
+    import ctypes
+    import ctypes.util
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        return "glibc-absent"
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    ok = all(libc.mallopt(ctypes.c_int(k), ctypes.c_int(v)) == 1 for k, v in settings)
+    return "kept" if ok else "glibc-refused"
+
+
 def native_half_matmul(device: torch.device) -> bool:
     """Whether bf16/fp16 matrix products run at full speed on `device`.
 

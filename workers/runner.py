@@ -26,6 +26,7 @@ from workers.device import (
     bind_device,
     compute_dtype,
     default_cpu_blocks,
+    keep_host_heap,
     num_kv_blocks,
     set_cpu_threads,
     synchronize,
@@ -82,6 +83,7 @@ class ModelRunner:
             raise ValueError("a given model cannot be tensor-parallel: each rank loads its own shard")
         # CPU threads per step: (threads for small steps, for steps of >= prefill_thread_tokens)
         self.cpu_threads: tuple[int, int] | None = None
+        self.host_heap = keep_host_heap() if config.device == "cpu" else None
         if config.device == "cpu" and config.num_threads is not None:
             set_cpu_threads(config.num_threads)
             prefill = config.prefill_threads or config.num_threads
@@ -409,6 +411,7 @@ class ModelRunner:
             "grammars": self.grammars.stats(),
             "sampler": "fused-cpp" if self.sampler.kernels is not None else "torch",
             "cpu_threads": self.cpu_thread_report(),
+            "host_heap": self.host_heap,
             "decode_graphs": None if self.graphs is None else {
                 "sizes": list(self.graphs.sizes), "capture_s": self.graphs.report.seconds,
                 "capture_bytes": self.graphs.report.memory_bytes, "replays": self.graphs.num_replays},
