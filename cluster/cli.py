@@ -262,6 +262,15 @@ def cmd_up(a: argparse.Namespace) -> int:
     return up(a.config, a.ray_up_args)
 
 
+def cmd_quantize(a: argparse.Namespace) -> int:
+    from workers.quant.export import export_w8a8
+
+    if os.path.exists(os.path.join(a.dst, "config.json")):
+        raise ValueError(f"{a.dst} already holds a checkpoint (config.json); choose an empty directory")
+    print(export_w8a8(a.src, a.dst))
+    return 0
+
+
 def _http_limit_args(s) -> None:
     s.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_TIMEOUT_KEEP_ALIVE_S, metavar="S",
                    help="close a keep-alive connection idle for S seconds "
@@ -350,6 +359,12 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("config", help="cluster YAML, e.g. deploy/ascend-cluster.yaml")
     u.add_argument("ray_up_args", nargs=argparse.REMAINDER, help="passed on to `ray up` (e.g. -y)")
     u.set_defaults(func=cmd_up)
+
+    q = sub.add_parser("quantize", help="write a float checkpoint's W8A8 copy (compressed-tensors int-quantized: "
+                                        "int8 weights per channel, activations per token at run time)")
+    q.add_argument("src", help="a float checkpoint directory (config.json, *.safetensors)")
+    q.add_argument("dst", help="a new directory for the quantized copy")
+    q.set_defaults(func=cmd_quantize)
 
     from cluster.bench import add_parser as add_bench_parser  # the CLI is the one importer of cluster.bench
 

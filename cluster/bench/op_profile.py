@@ -11,6 +11,8 @@ from __future__ import annotations
 
 # Op-name fragments per category, first match wins; GEMMs are split by shape afterwards.
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("GEMM, quantized layers (with their activations' quantization and scales)",
+     ("qlinear", "int_mm", "int8", "int4pack", "scaled_mm", "scale_rows", "quant")),
     ("GEMM", ("narrow_linear", "onednn_mm", "mkldnn", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul",
               "aten::linear", "weight_packed_linear", "_linear")),
     ("attention", ("attention", "attn", "scaled_dot_product", "sdpa", "flash")),

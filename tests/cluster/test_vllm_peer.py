@@ -144,6 +144,8 @@ def test_a_profiled_peer_sends_its_op_rows_and_they_sort_into_categories(fake_ve
 
 def test_op_categories():
     assert category("raylm::narrow_linear", "[[64, 6144], [64, 1024]]", 151936) == "GEMM, layers"
+    for op in ("onednn::qlinear_pointwise", "raylm::quant_rows_int8", "_C::int8_scaled_mm_with_quant"):
+        assert category(op, "[[64, 1024]]", 151936).startswith("GEMM, quantized layers"), op
     assert category("_C::onednn_mm", "[[64, 151936], [64, 1024]]", 151936) == "GEMM, lm_head"
     assert category("raylm::narrow_linear_argmax", "[[64, 1024], [9496, 1024, 16], []]", 151936) == "GEMM, lm_head"
     assert category("_C::cpu_attention_with_kv_cache", "[]", 151936) == "attention"

@@ -156,11 +156,14 @@ def _weights(scheme: str, out: int, inp: int, seed: int):
 
 @pytest.mark.parametrize("scheme", ["w8a8-dynamic", "w8a8-static", "w4a16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("path", ["measured", "forced-a", "forced-b"])
+@pytest.mark.parametrize("path", ["measured", "forced-a", "forced-b", "torch-elementwise"])
 def test_cpu_quantized_linear_equals_the_reference(monkeypatch, scheme, dtype, path):
-    """Each CPU path (forced through its switch, or as measured) against the reference arithmetic on
-    seeded batches of 1-70 rows, fused weights and a bias included."""
+    """Each CPU path (forced through its switch, or as measured; activations quantized by the fused
+    kernels or by torch's ops) against the reference arithmetic on seeded batches of 1-70 rows,
+    fused weights and a bias included."""
     forced = {"forced-a": ("onednn-int8", "64"), "forced-b": ("int-mm", "0")}.get(path)
+    if path == "torch-elementwise":
+        monkeypatch.setenv("RAYLM_CPU_ELEMENTWISE", "eager")
     if forced:
         monkeypatch.setenv("RAYLM_CPU_INT8_GEMM", forced[0])
         monkeypatch.setenv("RAYLM_CPU_INT4_ROWS", forced[1])
@@ -178,6 +181,39 @@ def test_cpu_quantized_linear_equals_the_reference(monkeypatch, scheme, dtype, p
         tol = 2e-5 if dtype == torch.float32 and scheme != "w4a16" else 2e-2
         torch.testing.assert_close(got.float(), want.float(), atol=tol * want.abs().max().item(), rtol=tol)
     assert ops.describe()["quantized"].startswith(scheme)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_activation_quantization_is_the_references_bit_for_bit(dtype):
+    """The fused kernels quantize (per token, and by a static scale) and finish the sums exactly as
+    the reference's torch ops: halves that round to even, all-zero rows, values past the int8 range
+    of a static scale, strided rows."""
+    from workers.ops import cpu_kernels
+    from workers.quant.weights import quantize_rows, quantize_static
+
+    k = cpu_kernels.load()
+    if k is None:
+        pytest.skip(f"kernels not built: {cpu_kernels.failure()}")
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(37, 300, generator=g) * 3).to(dtype)
+    x[1] = 0
+    x[2, :4] = torch.tensor([127.0, 0.5, 1.5, -2.5])  # scale 1: the halves land on ties
+    x[2, 4:] = 0
+    x = torch.cat([x, x], dim=1)[:, :300] if dtype == torch.float32 else x  # fp32: rows 600 apart
+    xq, sx = torch.empty(x.shape, dtype=torch.int8), torch.empty(x.shape[0])
+    k.quant_rows_int8(xq, sx, x)
+    want_q, want_s = quantize_rows(x)
+    assert torch.equal(xq, want_q) and torch.equal(sx, want_s)
+    static = Int8Weight(torch.zeros(1, 1, dtype=torch.int8), torch.ones(1), dynamic=False, input_scale=0.0125,
+                        input_offset=-7)
+    k.quant_static_int8(xq, x, static.input_scale, float(static.input_offset))
+    assert torch.equal(xq, quantize_static(x, static))
+    acc, bias = torch.randn(37, 50, generator=g) * 1e3, torch.randn(50, generator=g)
+    out = torch.empty(acc.shape, dtype=dtype)
+    k.scale_rows(out, acc, sx, None)
+    assert torch.equal(out, acc.mul(sx[:, None]).to(dtype))
+    k.scale_rows(out, acc, None, bias)
+    assert torch.equal(out, acc.add(bias).to(dtype))
 
 
 def test_reference_arithmetic_by_hand():
@@ -285,12 +321,65 @@ def test_nonzero_zero_points_are_refused(tmp_path):
         load_model(str(d))
 
 
-def test_quantized_weights_are_held_at_their_width(checkpoints):
-    """int8 decoder linears hold about a quarter of fp32's bytes (scales aside): both prepared by the
-    CPU table, whatever it keeps for the (full-precision) lm_head is the same in both."""
+@pytest.mark.parametrize("path", ["onednn-int8", "int-mm"])
+def test_quantized_weights_are_held_at_their_width(checkpoints, monkeypatch, path):
+    """int8 decoder linears hold a quarter of fp32's bytes (scales aside), whichever kernel runs them
+    (a packed copy replaces the int8 values, not joins them): both prepared by the CPU table,
+    whatever it keeps for the (full-precision) lm_head is the same in both."""
+    from workers.ops.cpu_quant import has_onednn_int8
+
+    if path == "onednn-int8" and not has_onednn_int8():
+        pytest.skip("this torch has no oneDNN int8 inner product")
+    monkeypatch.setenv("RAYLM_CPU_INT8_GEMM", path)
     fp32 = load_model(bundled_model_path())
     linears = sum(p.nbytes for n, p in fp32.named_parameters() if n.endswith("proj.weight"))
     fp32.prepare(get_op_table("cpu", "cpu"), release=True)
     int8 = load_model(checkpoints["compressed-tensors"][0])
     int8.prepare(get_op_table("cpu", "cpu"), release=True)
-    assert fp32.weight_bytes() - int8.weight_bytes() >= 0.7 * linears
+    assert fp32.weight_bytes() - int8.weight_bytes() >= 0.73 * linears
+
+
+def test_exported_w8a8_is_the_formats_checkpoint(tmp_path):
+    """`raylm quantize` writes what the format's own rules give (the independent writer) for an fp32
+    checkpoint, and for a bf16 one int8 values that are the nearest to what the stored scale
+    dequantizes; the copy loads as compressed-tensors W8A8."""
+    from safetensors.torch import load_file
+
+    from cluster.cli import main as cli
+    from workers.loader import load_config
+    from workers.quant.export import export_w8a8
+
+    src = bundled_model_path()
+    assert cli(["quantize", src, str(tmp_path / "ours")]) == 0
+    theirs = load_file(write_compressed_tensors(src, tmp_path / "theirs") / "model.safetensors")
+    ours = load_file(tmp_path / "ours" / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    for name, t in theirs.items():
+        assert torch.equal(ours[name], t), name
+    model = load_model(str(tmp_path / "ours"))
+    assert model.quant.describe() == {"method": "compressed-tensors", "scheme": "w8a8-dynamic"}
+    assert load_config(str(tmp_path / "ours")) == load_config(src)
+
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    export_w8a8(tmp_path / "bf16", tmp_path / "bf16-w8a8")
+    floats, quant = load_file(tmp_path / "bf16" / "model.safetensors"), \
+        load_file(tmp_path / "bf16-w8a8" / "model.safetensors")
+    w = floats["model.layers.0.mlp.down_proj.weight"]
+    q, scale = quant["model.layers.0.mlp.down_proj.weight"], quant["model.layers.0.mlp.down_proj.weight_scale"]
+    assert q.dtype == torch.int8 and scale.dtype == torch.bfloat16 and scale.shape == (w.shape[0], 1)
+    assert torch.equal(q, torch.round(w.float() / scale.float()).clamp(-128, 127).to(torch.int8))
+    assert torch.equal(quant["lm_head.weight"] if "lm_head.weight" in quant else quant["model.embed_tokens.weight"],
+                       floats["lm_head.weight"] if "lm_head.weight" in floats else floats["model.embed_tokens.weight"])
+
+
+def test_quantize_refuses_what_it_cannot_write(tmp_path, checkpoints, capsys):
+    from cluster.cli import main as cli
+
+    assert cli(["quantize", str(tmp_path / "nothing"), str(tmp_path / "a")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    assert cli(["quantize", checkpoints["awq"][0], str(tmp_path / "b")]) == 2
+    assert "quant_method='awq'" in capsys.readouterr().err
+    assert cli(["quantize", bundled_model_path(), checkpoints["awq"][0]]) == 2
+    assert "already holds a checkpoint" in capsys.readouterr().err

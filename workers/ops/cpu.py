@@ -106,7 +106,7 @@ class CPUOps(ReferenceOps):
         self.fused = fused_elementwise_kernels()
         self.moe = CPUMoE()
         self.narrow_rows: dict[tuple[int, int], int] = {}  # per weight shape: what choose_rows measured
-        self.int8 = Int8Paths()
+        self.int8 = Int8Paths(self.fused)
         self.int4 = Int4Paths()
 
     def describe(self) -> dict:
@@ -238,8 +238,8 @@ class CPUOps(ReferenceOps):
         """W8A8 and W4A16 weights by the library kernels measured fastest here (cpu_quant.py)."""
         dtype = dtype or (bias.dtype if bias is not None else torch.float32)
         paths = self.int4 if weight.scheme == "w4a16" else self.int8
-        name, run, held = paths.prepare(weight, dtype)
-        return self._quantized(name, run, weight, bias, held)
+        name, run, held, kept = paths.prepare(weight, dtype)
+        return self._quantized(name, run, kept, bias, held)
 
     def prepare_moe(self, w13, w2, first_expert, num_experts, dtype=None):
         return self.moe.prepare(w13, w2, first_expert, num_experts, dtype)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -48,28 +49,72 @@ def _best_ms(f, reps: int = 3) -> float:
 
 
 class Int8Paths:
-    """The int32 sums of int8 activations and an Int8Weight, by the kernel measured fastest."""
+    """The int32 sums of int8 activations and an Int8Weight, by the kernel measured fastest;
+    activations quantized and the sums finished (scales, bias, the compute dtype) by raylm's fused
+    kernels (workers/ops/csrc/elementwise.cpp) where they built, else by torch's ops."""
 
-    def __init__(self) -> None:
+    def __init__(self, kernels=None) -> None:
         self.chosen: dict[tuple[int, int], str] = {}  # weight shape -> path
+        self.kernels = kernels  # torch.ops.raylm, or None
 
     def prepare(self, w: Int8Weight, dtype: torch.dtype):
-        """-> (path name, run(x [T, in]) -> [T, out] in x.dtype, the tensors run holds)."""
+        """-> (path name, run(x [T, in]) -> [T, out] in x.dtype, the tensors run holds, the weight
+        as the handle keeps it: without its int8 values where the kernel holds its own packed copy,
+        so they are held once)."""
         shape = tuple(w.qweight.shape)
         name = _forced(INT8_ENV, INT8_PATHS) or self.chosen.get(shape)
         if name is None:
             name = self.chosen[shape] = _fastest_exact(w)
         sums, held = _int8_sums(name, w.qweight)
-        if w.dynamic:
-            def run(x):
-                xq, sx = quantize_rows(x)
-                return sums(xq, w.scale).mul_(sx[:, None]).to(x.dtype)
-        else:
-            bias = (w.quant_bias.double() * w.deq_scale.double()).float()  # (sums + quant_bias) * deq, distributed
+        kept = replace(w, qweight=_shape_only(w.qweight)) if held else w
+        run = (_fused_run if self.kernels is not None else _torch_run)(self.kernels, sums, kept)
+        return name, run, held, kept
 
-            def run(x):
-                return sums(quantize_static(x, w), w.deq_scale).add_(bias).to(x.dtype)
-        return name, run, held
+
+def _torch_run(_, sums, w: Int8Weight):
+    scale = w.scale
+    if w.dynamic:
+        def run(x):
+            xq, sx = quantize_rows(x)
+            return sums(xq, scale).mul_(sx[:, None]).to(x.dtype)
+        return run
+    bias = (w.quant_bias.double() * w.deq_scale.double()).float()  # (sums + quant_bias) * deq, distributed
+
+    def run(x):
+        return sums(quantize_static(x, w), w.deq_scale).add_(bias).to(x.dtype)
+    return run
+
+
+def _fused_run(k, sums, w: Int8Weight):
+    """The same arithmetic as _torch_run's, each elementwise stage one pass of a fused kernel."""
+    scale = w.scale
+
+    def finish(acc, x, row_scale, bias):
+        out = acc if x.dtype == torch.float32 else torch.empty(acc.shape, dtype=x.dtype)
+        k.scale_rows(out, acc, row_scale, bias)
+        return out
+
+    if w.dynamic:
+        def run(x):
+            x = x if x.stride(-1) == 1 else x.contiguous()
+            xq, sx = torch.empty(x.shape, dtype=torch.int8), torch.empty(x.shape[0])
+            k.quant_rows_int8(xq, sx, x)
+            return finish(sums(xq, scale), x, sx, None)
+        return run
+    bias = (w.quant_bias.double() * w.deq_scale.double()).float()
+    in_scale, in_offset = float(w.input_scale), float(w.input_offset)
+
+    def run(x):
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        xq = torch.empty(x.shape, dtype=torch.int8)
+        k.quant_static_int8(xq, x, in_scale, in_offset)
+        return finish(sums(xq, w.deq_scale), x, None, bias)
+    return run
+
+
+def _shape_only(t: torch.Tensor) -> torch.Tensor:
+    """A stand-in of t's shape and dtype over one element (t's values are held elsewhere)."""
+    return torch.zeros((), dtype=t.dtype).expand(t.shape)
 
 
 def _forced(env: str, choices: tuple[str, ...]) -> str | None:
@@ -126,7 +171,12 @@ class Int4Paths:
         self.rows: dict[tuple, int] = {}  # (out, in, group, dtype) -> most rows int4pack runs (0: never)
 
     def prepare(self, w: Int4Weight, dtype: torch.dtype):
-        """-> (path name, run(x [T, in]) -> [T, out] in x.dtype, the tensors run holds)."""
+        """-> (path name, run(x [T, in]) -> [T, out] in x.dtype, the tensors run holds, the weight
+        as the handle keeps it)."""
+        name, run, held = self._prepare(w, dtype)
+        return name, run, held, w
+
+    def _prepare(self, w: Int4Weight, dtype: torch.dtype):
         packed = _int4_pack(w, dtype)
 
         def dequant(x):

@@ -5,7 +5,10 @@
 //   residual add fused in front;
 // - qk_norm_rope: Qwen3's per-head q/k RMSNorm and neox rotary embedding, read from the qkv
 //   projection's output and written contiguous for attention;
-// - silu_and_mul: SwiGLU's silu(gate) * up over the fused gate/up output.
+// - silu_and_mul: SwiGLU's silu(gate) * up over the fused gate/up output;
+// - quant_rows_int8 / quant_static_int8 / scale_rows: W8A8's activation quantization (per token,
+//   or by a static scale and offset) and the epilogue of its int8 GEMM (per-token scale, bias,
+//   rounding to the compute dtype), each one pass, as workers/quant/weights.py defines them.
 // The math follows the reference's order (multiply by the inverse norm, then by the weight);
 // sums of squares are accumulated in a different order than torch's, so results agree to
 // float rounding, not bit for bit (tests/workers/test_cpu_kernels.py checks it).
@@ -18,7 +21,10 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstring>
+#include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -273,6 +279,111 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
   });
 }
 
+// round half to even, then to int8's range, in a form that vectorizes (libm's nearbyint is a call
+// per element): v limited to [-256, 256] (beyond, the result clamps the same), then 1.5 * 2^23 added
+// and taken away, which rounds to an integer in the current (nearest-even) mode
+inline int8_t round_to_int8(float v) {
+  constexpr float kMagic = 12582912.f;
+  v = std::min(256.f, std::max(-256.f, v));
+  const float r = (v + kMagic) - kMagic;
+  return static_cast<int8_t>(static_cast<int>(std::min(127.f, std::max(-128.f, r))));
+}
+
+// per token, symmetric (W8A8's dynamic activations), as weights.quantize_rows: scale = max(max |x|,
+// FLT_MIN) / 127, q = clamp(round-half-even(x / scale), -128, 127); a true division, as torch's
+void quant_rows_int8(at::Tensor out, at::Tensor scales, at::Tensor x) {
+  check_rows(x, "x", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2, "x must be [T, K]");
+  const int64_t rows = x.size(0), k = x.size(1), xs = x.stride(0);
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kChar && out.sizes() == x.sizes(),
+              "out must be a contiguous int8 [T, K]");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == rows,
+              "scales must be a contiguous float32 [T]");
+  auto* op = out.data_ptr<int8_t>();
+  auto* sp = scales.data_ptr<float>();
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    using E = Elem<T>;
+    const auto* xp = in_ptr<T>(x);
+    at::parallel_for(0, rows, grain_rows(k), [&](int64_t b, int64_t end) {
+      for (int64_t r = b; r < end; ++r) {
+        const S_t<T>* xr = xp + r * xs;
+        float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+        for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(E::ld(xr[i])));
+        const float scale = std::max(amax, std::numeric_limits<float>::min()) / 127.f;
+        sp[r] = scale;
+        int8_t* o = op + r * k;
+#pragma omp simd
+        for (int64_t i = 0; i < k; ++i)
+          o[i] = round_to_int8(E::ld(xr[i]) / scale);
+      }
+    });
+  });
+}
+
+// by one static scale and offset, as weights.quantize_static: clamp(round(x / scale + offset))
+void quant_static_int8(at::Tensor out, at::Tensor x, double scale, double offset) {
+  check_rows(x, "x", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2, "x must be [T, K]");
+  const int64_t rows = x.size(0), k = x.size(1), xs = x.stride(0);
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kChar && out.sizes() == x.sizes(),
+              "out must be a contiguous int8 [T, K]");
+  const float s = static_cast<float>(scale), z = static_cast<float>(offset);
+  auto* op = out.data_ptr<int8_t>();
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    using E = Elem<T>;
+    const auto* xp = in_ptr<T>(x);
+    at::parallel_for(0, rows, grain_rows(k), [&](int64_t b, int64_t end) {
+      for (int64_t r = b; r < end; ++r) {
+        const S_t<T>* xr = xp + r * xs;
+        int8_t* o = op + r * k;
+#pragma omp simd
+        for (int64_t i = 0; i < k; ++i)
+          o[i] = round_to_int8(E::ld(xr[i]) / s + z);
+      }
+    });
+  });
+}
+
+// out[t, j] = dtype((acc[t, j] * row_scale[t]) + col_bias[j]) in fp32, either factor optional: an
+// int8 GEMM's fp32 output finished in one pass (the multiply, the add and the rounding torch would
+// run as three)
+void scale_rows(at::Tensor out, at::Tensor acc, std::optional<at::Tensor> row_scale,
+                std::optional<at::Tensor> col_bias) {
+  TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous() && acc.scalar_type() == at::kFloat,
+              "acc must be a contiguous float32 [T, N]");
+  const int64_t rows = acc.size(0), n = acc.size(1);
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == acc.sizes(), "out must be a contiguous [T, N]");
+  if (row_scale) TORCH_CHECK(row_scale->is_contiguous() && row_scale->scalar_type() == at::kFloat &&
+                                 row_scale->numel() == rows, "row_scale must be a contiguous float32 [T]");
+  if (col_bias) TORCH_CHECK(col_bias->is_contiguous() && col_bias->scalar_type() == at::kFloat &&
+                                col_bias->numel() == n, "col_bias must be a contiguous float32 [N]");
+  const float* ap = acc.data_ptr<float>();
+  const float* rs = row_scale ? row_scale->data_ptr<float>() : nullptr;
+  const float* cb = col_bias ? col_bias->data_ptr<float>() : nullptr;
+  dispatch(out, [&](auto tag) {
+    using T = decltype(tag);
+    using E = Elem<T>;
+    auto* op = out_ptr<T>(out);
+    at::parallel_for(0, rows, grain_rows(n), [&](int64_t b, int64_t end) {
+      for (int64_t r = b; r < end; ++r) {
+        const float* a = ap + r * n;
+        S_t<T>* o = op + r * n;
+        const float f = rs ? rs[r] : 1.f;
+        if (cb) {
+#pragma omp simd
+          for (int64_t j = 0; j < n; ++j) o[j] = E::st((rs ? a[j] * f : a[j]) + cb[j]);
+        } else {
+#pragma omp simd
+          for (int64_t j = 0; j < n; ++j) o[j] = E::st(a[j] * f);
+        }
+      }
+    });
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(raylm, m) {
@@ -281,6 +392,9 @@ TORCH_LIBRARY_FRAGMENT(raylm, m) {
   m.def("qk_norm_rope(Tensor(a!) q_out, Tensor(b!) k_out, Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, "
         "float eps, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("quant_rows_int8(Tensor(a!) out, Tensor(b!) scales, Tensor x) -> ()");
+  m.def("quant_static_int8(Tensor(a!) out, Tensor x, float scale, float offset) -> ()");
+  m.def("scale_rows(Tensor(a!) out, Tensor acc, Tensor? row_scale, Tensor? col_bias) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(raylm, CPU, m) {
@@ -288,4 +402,7 @@ TORCH_LIBRARY_IMPL(raylm, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("qk_norm_rope", &qk_norm_rope);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("quant_rows_int8", &quant_rows_int8);
+  m.impl("quant_static_int8", &quant_static_int8);
+  m.impl("scale_rows", &scale_rows);
 }
