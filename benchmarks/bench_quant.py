@@ -1,0 +1,153 @@
+"""W8A8 against full precision, raylm against vLLM's CPU build, on the kernels workload: one
+float checkpoint and its compressed-tensors W8A8 copy (`raylm quantize`, written beside it once),
+the same requests to every contender, greedy, taking turns in one run.
+
+    PYTHONPATH=. python benchmarks/bench_quant.py --checkpoint DIR [--num-requests 64]
+        [--input-len 42:251] [--output-len 34:128] [--dtypes float32,bfloat16] [--no-vllm]
+
+Contenders: raylm's bare step loop (ModelRunner + Scheduler in this process, what a worker runs)
+on the float checkpoint in float32, and on the W8A8 copy in each of --dtypes (the compute dtype of
+everything but the int8 GEMMs); vLLM (cluster/bench/vllm_peer.py, its venv by --peers-venv) on the
+W8A8 copy in the dtype it computes in on this CPU, and on the float checkpoint in float32. Prints
+each figure and the issue's ratios, how many greedy sequences and tokens raylm's W8A8 shares with
+vLLM's, the weight bytes each raylm run holds against the float checkpoint's parameters in fp32,
+and the int8 multiply-adds per second the decoder GEMMs reached. A random spec is saved as DIR
+first when DIR has no config.json (--model, default random:qwen3-0.6b?layers=8&seed=0).
+A script, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+from cluster.bench.command import parse_range
+from cluster.bench.contenders import EngineSpec, run_bare
+from cluster.bench.vllm_peer import VLLMPeer, peer_dtype, save_checkpoint
+from cluster.bench.workload import kv_blocks_for, make_workload
+from workers.loader import load_config, load_model
+from workers.ops.cpu_features import cpu_class
+from workers.quant.export import export_w8a8
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--model", default="random:qwen3-0.6b?layers=8&seed=0")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--input-len", type=parse_range, default=(42, 251))
+    ap.add_argument("--output-len", type=parse_range, default=(34, 128))
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtypes", default=None,
+                    help="raylm's compute dtypes on the W8A8 copy (default: float32, and bfloat16 where the CPU "
+                         "has bf16 matmuls)")
+    ap.add_argument("--w8a8", default=None, help="where the W8A8 copy is (written once; default DIR-w8a8)")
+    ap.add_argument("--peers-venv", default=None)
+    ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    save_checkpoint(a.model, a.checkpoint)
+    w8a8 = a.w8a8 or a.checkpoint.rstrip("/") + "-w8a8"
+    if not os.path.exists(os.path.join(w8a8, "config.json")):
+        export_w8a8(a.checkpoint, w8a8)
+    config = load_config(a.checkpoint)
+    wl = make_workload(a.num_requests, a.input_len, a.output_len, config.vocab_size, a.seed)
+    vllm_dtype = peer_dtype()
+    dtypes = a.dtypes.split(",") if a.dtypes else sorted({"float32", vllm_dtype})
+    print(f"# {a.checkpoint} and {w8a8}: {wl.describe()}; CPU class {cpu_class()}; "
+          f"load average {os.getloadavg()}", flush=True)
+
+    def spec(path, dtype):
+        return EngineSpec(path, dtype, 1, a.threads, True, a.batch_size, 16, kv_blocks_for(wl, 16),
+                          a.max_num_batched_tokens, a.seed)
+
+    figs, outs, held = {}, {}, {}
+    runs = [("raylm fp32", a.checkpoint, "float32")] + [(f"raylm w8a8 {d}", w8a8, d) for d in dtypes]
+    for name, path, dtype in runs:
+        fig, outs[name] = run_bare(load_model(path, dtype), spec(path, dtype), wl)
+        figs[name], held[name] = fig["output_tok_s"], weight_bytes(path, dtype)
+        print(f"{name}: {figs[name]:.2f} output tok/s, {held[name] / 1e6:.1f} MB of weights held", flush=True)
+    if not a.no_vllm:
+        for name, path, dtype in ((f"vLLM w8a8 {vllm_dtype}", w8a8, vllm_dtype),
+                                  ("vLLM fp32", a.checkpoint, "float32")):
+            figs[name], outs[name] = run_vllm(a, path, dtype, wl)
+            print(f"{name}: {figs[name]:.2f} output tok/s", flush=True)
+
+    fp32_bytes = 4 * sum(p.numel() for p in load_model(a.checkpoint, "float32").parameters())
+    print(f"\nweights in fp32 (the checkpoint's parameters at 4 bytes): {fp32_bytes / 1e6:.1f} MB")
+    for name in held:
+        print(f"  {name}: {held[name] / 1e6:.1f} MB held = {held[name] / fp32_bytes:.2f} of fp32's")
+    for d in dtypes:
+        ours = f"raylm w8a8 {d}"
+        print(f"{ours} / raylm fp32 = {figs[ours] / figs['raylm fp32']:.2f}")
+        for peer in [k for k in figs if k.startswith("vLLM")]:
+            print(f"{ours} / {peer} = {figs[ours] / figs[peer]:.2f}")
+        peer = f"vLLM w8a8 {vllm_dtype}"
+        if peer in outs:
+            seqs = sum(x == y for x, y in zip(outs[ours], outs[peer]))
+            toks = sum(sum(p == q for p, q in zip(x, y)) for x, y in zip(outs[ours], outs[peer]))
+            prefix = sum(_common_prefix(x, y) for x, y in zip(outs[ours], outs[peer]))
+            first = sum(x[:1] == y[:1] for x, y in zip(outs[ours], outs[peer]))
+            print(f"  greedy vs {peer}: {seqs}/{wl.num_requests} sequences identical, {first}/{wl.num_requests} "
+                  f"first tokens equal, {toks}/{wl.output_tokens} tokens equal at their position, "
+                  f"{prefix}/{wl.output_tokens} before the first difference")
+    macs = decoder_macs(config, wl)
+    for d in dtypes:
+        print(f"decoder-linear int8 multiply-adds: {macs / 1e9:.0f} G per run; at raylm w8a8 {d}'s wall "
+              f"{wl.output_tokens / figs[f'raylm w8a8 {d}']:.1f} s that is "
+              f"{macs / (wl.output_tokens / figs[f'raylm w8a8 {d}']) / 1e9:.0f} G int8 MAC/s (whole-run average, "
+              "all ops' time included)")
+
+
+def weight_bytes(path: str, dtype: str) -> int:
+    """The weight bytes a worker serving `path` in `dtype` holds (stats()["weight_bytes"]: what it
+    loaded and prepared, each storage once)."""
+    from workers.runner import ModelRunner
+    from workers.runner_config import RunnerConfig
+
+    runner = ModelRunner(RunnerConfig(model=path, device="cpu", dtype=dtype, num_kv_blocks=16, max_num_seqs=4,
+                                      max_num_batched_tokens=256))
+    try:
+        return runner.stats()["weight_bytes"]
+    finally:
+        runner.close()
+
+
+def _common_prefix(x: list[int], y: list[int]) -> int:
+    n = 0
+    for p, q in zip(x, y):
+        if p != q:
+            break
+        n += 1
+    return n
+
+
+def decoder_macs(config, wl) -> int:
+    """Multiply-adds of the decoder's quantized linears (q/k/v, o, gate/up, down) over every token
+    the run computes: each prompt token once, each output token but the last once."""
+    h, i = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    per_token = h * (q + 2 * kv) + q * h + h * 2 * i + i * h
+    tokens = sum(len(p) for p in wl.prompts) + sum(n - 1 for n in wl.output_lens)
+    return per_token * config.num_hidden_layers * tokens
+
+
+def run_vllm(a, path: str, dtype: str, wl) -> tuple[float, list[list[int]]]:
+    t = time.perf_counter()
+    peer = VLLMPeer(path, dtype=dtype, max_num_seqs=a.batch_size, max_num_batched_tokens=a.max_num_batched_tokens,
+                    block_size=None, threads=a.threads, venv=a.peers_venv,
+                    log_path=os.path.join(tempfile.gettempdir(), "vllm-peer-quant.log"))
+    print(f"vLLM {peer.version} up in {time.perf_counter() - t:.0f}s on {os.path.basename(path)}", flush=True)
+    try:
+        elapsed, out = peer.run(wl.prompts, wl.output_lens)
+    finally:
+        peer.close()
+    return wl.output_tokens / elapsed, out
+
+
+if __name__ == "__main__":
+    main()
