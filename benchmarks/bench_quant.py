@@ -23,7 +23,7 @@ import os
 import tempfile
 import time
 
-from cluster.bench.command import parse_range
+from cluster.bench.command import add_kernels_workload_args
 from cluster.bench.contenders import EngineSpec, run_bare
 from cluster.bench.vllm_peer import VLLMPeer, peer_dtype, save_checkpoint
 from cluster.bench.workload import kv_blocks_for, make_workload
@@ -34,21 +34,12 @@ from workers.quant.export import export_w8a8
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkpoint", required=True)
-    ap.add_argument("--model", default="random:qwen3-0.6b?layers=8&seed=0")
-    ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--input-len", type=parse_range, default=(42, 251))
-    ap.add_argument("--output-len", type=parse_range, default=(34, 128))
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--threads", type=int, default=2)
+    add_kernels_workload_args(ap)
     ap.add_argument("--dtypes", default=None,
                     help="raylm's compute dtypes on the W8A8 copy (default: float32, and bfloat16 where the CPU "
                          "has bf16 matmuls)")
     ap.add_argument("--w8a8", default=None, help="where the W8A8 copy is (written once; default DIR-w8a8)")
-    ap.add_argument("--peers-venv", default=None)
     ap.add_argument("--no-vllm", action="store_true")
-    ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     save_checkpoint(a.model, a.checkpoint)
     w8a8 = a.w8a8 or a.checkpoint.rstrip("/") + "-w8a8"

@@ -33,7 +33,7 @@ import time
 
 from torch.profiler import ProfilerActivity, profile
 
-from cluster.bench.command import parse_range
+from cluster.bench.command import add_kernels_workload_args
 from cluster.bench.contenders import EngineSpec, run_bare
 from cluster.bench.op_profile import summarize, top_ops
 from cluster.bench.vllm_peer import VLLMPeer, op_rows, peer_dtype, peers_python, save_checkpoint
@@ -43,17 +43,8 @@ from workers.loader import load_config, load_model
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkpoint", required=True)
-    ap.add_argument("--model", default="random:qwen3-0.6b?layers=8&seed=0")
-    ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--input-len", type=parse_range, default=(42, 251))
-    ap.add_argument("--output-len", type=parse_range, default=(34, 128))
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--threads", type=int, default=2)
+    add_kernels_workload_args(ap)
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--peers-venv", default=None)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true", help="where each engine's time goes, by op category")
     ap.add_argument("--top", type=int, default=0, help="with --profile: each engine's N costliest ops")
     ap.add_argument("--plain", action="store_true", help="also time vLLM by benchmarks/vllm_plain.py")

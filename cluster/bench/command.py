@@ -76,6 +76,21 @@ def parse_range(text: str) -> tuple[int, int]:
     return lo_i, hi_i
 
 
+def add_kernels_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The options of the scripts that time raylm's step loop against vLLM on one checkpoint
+    (benchmarks/bench_vllm_bare.py, bench_quant.py), defaulting to the kernels workload."""
+    ap.add_argument("--checkpoint", required=True, help="a checkpoint directory (written from --model if empty)")
+    ap.add_argument("--model", default="random:qwen3-0.6b?layers=8&seed=0")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--input-len", type=parse_range, default=(42, 251))
+    ap.add_argument("--output-len", type=parse_range, default=(34, 128))
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--peers-venv", default=None)
+    ap.add_argument("--seed", type=int, default=0)
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",")]

@@ -96,11 +96,11 @@ def choose_rows(kernels, wide_linear, wide, narrow: torch.Tensor, out_features: 
         if rows > 1 and rows * out_features * in_features > PROBE_MAX_MACS:
             break
         x = torch.randn(rows, in_features)
-        mine = _best_of(lambda: narrow_linear(kernels, x, probe), runs=3)  # noqa: B023 (called at once)
-        theirs = _best_of(lambda: wide_linear(x, wide), runs=3)  # noqa: B023
+        mine = best_of(lambda: narrow_linear(kernels, x, probe), runs=3)  # noqa: B023 (called at once)
+        theirs = best_of(lambda: wide_linear(x, wide), runs=3)  # noqa: B023
         if mine > theirs * TOLERANCE:  # timed again before it decides: a busy moment of the host is not the kernel
-            mine = min(mine, _best_of(lambda: narrow_linear(kernels, x, probe), runs=5))  # noqa: B023
-            theirs = min(theirs, _best_of(lambda: wide_linear(x, wide), runs=5))  # noqa: B023
+            mine = min(mine, best_of(lambda: narrow_linear(kernels, x, probe), runs=5))  # noqa: B023
+            theirs = min(theirs, best_of(lambda: wide_linear(x, wide), runs=5))  # noqa: B023
         always = always and mine <= theirs * TOLERANCE
         if mine < theirs and crossover == rows_before(rows):
             crossover = rows
@@ -113,7 +113,7 @@ def rows_before(rows: int) -> int:
     return PROBE_ROWS[i - 1] if i else 0
 
 
-def _best_of(f, runs: int = 2) -> float:
+def best_of(f, runs: int = 2) -> float:
     """Seconds of the best of `runs` calls of f after a warm one."""
     f()
     best = float("inf")

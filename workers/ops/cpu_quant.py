@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
+from workers.ops.cpu_narrow import best_of
 from workers.quant.weights import Int4Weight, Int8Weight, quantize_rows, quantize_static
 
 INT8_ENV = "RAYLM_CPU_INT8_GEMM"  # onednn-int8 | int-mm: that kernel, not the measured one
@@ -36,16 +36,6 @@ INT8_PATHS = ("onednn-int8", "int-mm")
 _PROBE_ROWS = (1, 16, 64)
 _INT4_ROWS = (1, 2, 4, 8, 16, 32, 64)
 _INT4_TILES = 2  # innerKTiles of torch's int4 packing (K must be a multiple of 16 * this)
-
-
-def _best_ms(f, reps: int = 3) -> float:
-    f()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        f()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
 
 
 class Int8Paths:
@@ -156,7 +146,7 @@ def _fastest_exact(w: Int8Weight) -> str:
         if not bool((probe(extreme, ones) == float(128 * 128 * k)).all()):
             continue
         sums, _ = _int8_sums(name, w.qweight)
-        times[name] = sum(_best_ms(functools.partial(sums, torch.ones(r, k, dtype=torch.int8), w.scale))
+        times[name] = sum(best_of(functools.partial(sums, torch.ones(r, k, dtype=torch.int8), w.scale), 3)
                           for r in _PROBE_ROWS)
     if not times:
         raise RuntimeError(f"no exact int8 GEMM on this CPU for a {n}x{k} weight (tried {', '.join(names)})")
@@ -223,7 +213,7 @@ def _int4_crossover(int4, dequant, k: int, dtype: torch.dtype) -> int:
     rows = 0
     for r in _INT4_ROWS:
         x = torch.randn(r, k).to(dtype)
-        if _best_ms(functools.partial(int4, x)) >= _best_ms(functools.partial(dequant, x)):
+        if best_of(functools.partial(int4, x), 3) >= best_of(functools.partial(dequant, x), 3):
             break
         rows = r
     return rows

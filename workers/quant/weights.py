@@ -21,8 +21,22 @@ import torch.nn.functional as F
 INT8_MIN, INT8_MAX = -128, 127
 
 
+class _Shaped:
+    """[out, in] of a quantized weight's values."""
+
+    qweight: torch.Tensor
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1]
+
+
 @dataclass
-class Int8Weight:
+class Int8Weight(_Shaped):
     qweight: torch.Tensor  # int8 [out, in]
     scale: torch.Tensor  # fp32 [out]: dynamic: the weight's per-channel scale
     dynamic: bool = True  # per-token activation scales; False: the static ones below
@@ -35,31 +49,15 @@ class Int8Weight:
     def scheme(self) -> str:
         return "w8a8-dynamic" if self.dynamic else "w8a8-static"
 
-    @property
-    def out_features(self) -> int:
-        return self.qweight.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.qweight.shape[1]
-
 
 @dataclass
-class Int4Weight:
+class Int4Weight(_Shaped):
     qweight: torch.Tensor  # uint8 [out, in], values 0..15
     scales: torch.Tensor  # [out, in / group_size] (the checkpoint's float dtype)
     zeros: torch.Tensor  # uint8 [out, in / group_size], values 0..15
     group_size: int
 
     scheme = "w4a16"
-
-    @property
-    def out_features(self) -> int:
-        return self.qweight.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.qweight.shape[1]
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """(q - zero) * scale per group, in fp32, then rounded once to `dtype`: [out, in]."""

@@ -289,18 +289,17 @@ inline int8_t round_to_int8(float v) {
   return static_cast<int8_t>(static_cast<int>(std::min(127.f, std::max(-128.f, r))));
 }
 
-// per token, symmetric (W8A8's dynamic activations), as weights.quantize_rows: scale = max(max |x|,
-// FLT_MIN) / 127, q = clamp(round-half-even(x / scale), -128, 127); a true division, as torch's
-void quant_rows_int8(at::Tensor out, at::Tensor scales, at::Tensor x) {
+// x [T, K] -> int8 out: per token and symmetric where `scales` is given (W8A8's dynamic activations,
+// as weights.quantize_rows: scale = max(max |x|, FLT_MIN) / 127 written to scales[t], q =
+// clamp(round-half-even(x / scale))), else by the one static scale and offset (weights.quantize_static:
+// clamp(round(x / scale + offset))); true divisions, as torch's
+void quantize_int8(at::Tensor& out, const at::Tensor& x, float* scales, float scale, float offset) {
   check_rows(x, "x", x.scalar_type());
   TORCH_CHECK(x.dim() == 2, "x must be [T, K]");
   const int64_t rows = x.size(0), k = x.size(1), xs = x.stride(0);
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kChar && out.sizes() == x.sizes(),
               "out must be a contiguous int8 [T, K]");
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == rows,
-              "scales must be a contiguous float32 [T]");
   auto* op = out.data_ptr<int8_t>();
-  auto* sp = scales.data_ptr<float>();
   dispatch(x, [&](auto tag) {
     using T = decltype(tag);
     using E = Elem<T>;
@@ -308,43 +307,30 @@ void quant_rows_int8(at::Tensor out, at::Tensor scales, at::Tensor x) {
     at::parallel_for(0, rows, grain_rows(k), [&](int64_t b, int64_t end) {
       for (int64_t r = b; r < end; ++r) {
         const S_t<T>* xr = xp + r * xs;
-        float amax = 0.f;
+        float s = scale, z = offset;
+        if (scales != nullptr) {
+          float amax = 0.f;
 #pragma omp simd reduction(max : amax)
-        for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(E::ld(xr[i])));
-        const float scale = std::max(amax, std::numeric_limits<float>::min()) / 127.f;
-        sp[r] = scale;
+          for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(E::ld(xr[i])));
+          s = scales[r] = std::max(amax, std::numeric_limits<float>::min()) / 127.f;
+          z = 0.f;
+        }
         int8_t* o = op + r * k;
 #pragma omp simd
-        for (int64_t i = 0; i < k; ++i)
-          o[i] = round_to_int8(E::ld(xr[i]) / scale);
+        for (int64_t i = 0; i < k; ++i) o[i] = round_to_int8(E::ld(xr[i]) / s + z);
       }
     });
   });
 }
 
-// by one static scale and offset, as weights.quantize_static: clamp(round(x / scale + offset))
+void quant_rows_int8(at::Tensor out, at::Tensor scales, at::Tensor x) {
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == x.size(0),
+              "scales must be a contiguous float32 [T]");
+  quantize_int8(out, x, scales.data_ptr<float>(), 0.f, 0.f);
+}
+
 void quant_static_int8(at::Tensor out, at::Tensor x, double scale, double offset) {
-  check_rows(x, "x", x.scalar_type());
-  TORCH_CHECK(x.dim() == 2, "x must be [T, K]");
-  const int64_t rows = x.size(0), k = x.size(1), xs = x.stride(0);
-  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kChar && out.sizes() == x.sizes(),
-              "out must be a contiguous int8 [T, K]");
-  const float s = static_cast<float>(scale), z = static_cast<float>(offset);
-  auto* op = out.data_ptr<int8_t>();
-  dispatch(x, [&](auto tag) {
-    using T = decltype(tag);
-    using E = Elem<T>;
-    const auto* xp = in_ptr<T>(x);
-    at::parallel_for(0, rows, grain_rows(k), [&](int64_t b, int64_t end) {
-      for (int64_t r = b; r < end; ++r) {
-        const S_t<T>* xr = xp + r * xs;
-        int8_t* o = op + r * k;
-#pragma omp simd
-        for (int64_t i = 0; i < k; ++i)
-          o[i] = round_to_int8(E::ld(xr[i]) / s + z);
-      }
-    });
-  });
+  quantize_int8(out, x, nullptr, static_cast<float>(scale), static_cast<float>(offset));
 }
 
 // out[t, j] = dtype((acc[t, j] * row_scale[t]) + col_bias[j]) in fp32, either factor optional: an
