@@ -339,6 +339,20 @@ def test_quantized_weights_are_held_at_their_width(checkpoints, monkeypatch, pat
     assert fp32.weight_bytes() - int8.weight_bytes() >= 0.73 * linears
 
 
+@pytest.mark.parametrize("int4_rows", ["0", "64"])
+def test_awq_weights_are_held_at_four_bits(checkpoints, monkeypatch, int4_rows):
+    """AWQ linears hold half a byte a weight, plus torch's own int4 packing where its kernel runs
+    (with its fp32 scales and zeros, about 0.3 of fp32's bytes in all), never the unpacked values."""
+    monkeypatch.setenv("RAYLM_CPU_INT4_ROWS", int4_rows)
+    fp32 = load_model(bundled_model_path())
+    linears = sum(p.nbytes for n, p in fp32.named_parameters() if n.endswith("proj.weight"))
+    fp32.prepare(get_op_table("cpu", "cpu"), release=True)
+    awq = load_model(checkpoints["awq"][0])
+    awq.prepare(get_op_table("cpu", "cpu"), release=True)
+    held = fp32.weight_bytes() - awq.weight_bytes()
+    assert held >= (0.84 if int4_rows == "0" else 0.68) * linears
+
+
 def test_exported_w8a8_is_the_formats_checkpoint(tmp_path):
     """`raylm quantize` writes what the format's own rules give (the independent writer) for an fp32
     checkpoint, and for a bf16 one int8 values that are the nearest to what the stored scale

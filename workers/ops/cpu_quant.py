@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.ops.cpu_narrow import best_of
-from workers.quant.weights import Int4Weight, Int8Weight, quantize_rows, quantize_static
+from workers.quant.weights import Int4Weight, Int8Weight, dequantize_int4, quantize_rows, quantize_static
 
 INT8_ENV = "RAYLM_CPU_INT8_GEMM"  # onednn-int8 | int-mm: that kernel, not the measured one
 INT4_ENV = "RAYLM_CPU_INT4_ROWS"  # N: int4pack up to N rows (0: never), not the measured crossover
@@ -162,16 +162,19 @@ class Int4Paths:
 
     def prepare(self, w: Int4Weight, dtype: torch.dtype):
         """-> (path name, run(x [T, in]) -> [T, out] in x.dtype, the tensors run holds, the weight
-        as the handle keeps it)."""
-        name, run, held = self._prepare(w, dtype)
-        return name, run, held, w
-
-    def _prepare(self, w: Int4Weight, dtype: torch.dtype):
-        packed = _int4_pack(w, dtype)
+        as the handle keeps it: its 4-bit values held two to a byte for the dequantized GEMM, beside
+        torch's own packing where its kernel runs)."""
+        nibbles = pack_nibbles(w.qweight)
+        kept = replace(w, qweight=_shape_only(w.qweight))
 
         def dequant(x):
-            return F.linear(x, w.dequantized(x.dtype))
+            return F.linear(x, dequantize_int4(unpack_nibbles(nibbles), w.scales, w.zeros, w.group_size, x.dtype))
 
+        name, run, held = self._choose(w, dtype, dequant)
+        return name, run, [nibbles, *held], kept
+
+    def _choose(self, w: Int4Weight, dtype: torch.dtype, dequant):
+        packed = _int4_pack(w, dtype)
         if packed is None:
             return "dequant-gemm", dequant, []
         weight, scales_zeros = packed
@@ -190,6 +193,15 @@ class Int4Paths:
             return "dequant-gemm", dequant, []
         return f"int4pack(<={rows} rows)", lambda x: int4(x) if x.shape[0] <= rows and x.dtype == dtype \
             else dequant(x), [weight, scales_zeros]
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [out, in] of 0..15 -> uint8 [out, in / 2]: input 2j in the low nibble, 2j + 1 in the high."""
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
+    return torch.stack([p & 15, p >> 4], dim=-1).view(p.shape[0], 2 * p.shape[1])
 
 
 def _int4_pack(w: Int4Weight, dtype: torch.dtype):

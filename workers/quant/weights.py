@@ -60,12 +60,16 @@ class Int4Weight(_Shaped):
     scheme = "w4a16"
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """(q - zero) * scale per group, in fp32, then rounded once to `dtype`: [out, in]."""
-        out, inp = self.qweight.shape
-        g = self.group_size
-        q = self.qweight.view(out, inp // g, g).float()
-        w = (q - self.zeros.float()[:, :, None]) * self.scales.float()[:, :, None]
-        return w.view(out, inp).to(dtype)
+        return dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size, dtype)
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """(q - zero) * scale per group of `group_size` inputs, in fp32, then rounded once to `dtype`: [out, in]."""
+    out, inp = qweight.shape
+    q = qweight.view(out, inp // group_size, group_size).float()
+    w = (q - zeros.float()[:, :, None]) * scales.float()[:, :, None]
+    return w.view(out, inp).to(dtype)
 
 
 QuantWeight = Int8Weight | Int4Weight
