@@ -183,6 +183,32 @@ def test_cpu_quantized_linear_equals_the_reference(monkeypatch, scheme, dtype, p
     assert ops.describe()["quantized"].startswith(scheme)
 
 
+@pytest.mark.parametrize("scheme,env", [
+    ("w4a16", {"RAYLM_CPU_INT4_ROWS": "64"}), ("w4a16", {"RAYLM_CPU_INT4_ROWS": "0"}),
+    ("w8a8-dynamic", {"RAYLM_CPU_INT8_GEMM": "onednn-int8"}), ("w8a8-static", {"RAYLM_CPU_INT8_GEMM": "onednn-int8"})])
+def test_a_prepared_linear_lets_the_values_it_repacked_go(monkeypatch, scheme, env):
+    """Where the CPU table holds its own packing of the values, nothing it prepared (handle or the
+    closures it runs) keeps the weight's original tensor alive; the handle still computes the format."""
+    import gc
+    import weakref
+
+    from workers.ops.cpu_quant import has_onednn_int8
+
+    if "RAYLM_CPU_INT8_GEMM" in env and not has_onednn_int8():
+        pytest.skip("this torch has no oneDNN int8 inner product")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    w = _weights(scheme, 64, 256, 1)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))
+    want = reference_linear(x, w)
+    values = weakref.ref(w.qweight)
+    handle = get_op_table("cpu", "cpu").prepare_quantized_linear(w, None, dtype=torch.float32)
+    del w
+    gc.collect()
+    assert values() is None
+    torch.testing.assert_close(handle(x), want, atol=2e-5 * want.abs().max().item(), rtol=2e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fused_activation_quantization_is_the_references_bit_for_bit(dtype):
     """The fused kernels quantize (per token, and by a static scale) and finish the sums exactly as

@@ -165,22 +165,24 @@ class Int4Paths:
         as the handle keeps it: its 4-bit values held two to a byte for the dequantized GEMM, beside
         torch's own packing where its kernel runs)."""
         nibbles = pack_nibbles(w.qweight)
-        kept = replace(w, qweight=_shape_only(w.qweight))
+        kept = replace(w, qweight=_shape_only(w.qweight))  # what the closures below may hold: not the values
 
         def dequant(x):
-            return F.linear(x, dequantize_int4(unpack_nibbles(nibbles), w.scales, w.zeros, w.group_size, x.dtype))
+            return F.linear(x, dequantize_int4(unpack_nibbles(nibbles), kept.scales, kept.zeros, kept.group_size,
+                                               x.dtype))
 
-        name, run, held = self._choose(w, dtype, dequant)
+        name, run, held = self._choose(w, kept, dtype, dequant)
         return name, run, [nibbles, *held], kept
 
-    def _choose(self, w: Int4Weight, dtype: torch.dtype, dequant):
+    def _choose(self, w: Int4Weight, kept: Int4Weight, dtype: torch.dtype, dequant):
         packed = _int4_pack(w, dtype)
         if packed is None:
             return "dequant-gemm", dequant, []
         weight, scales_zeros = packed
+        group = kept.group_size
 
         def int4(x):
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), weight, w.group_size, scales_zeros)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), weight, group, scales_zeros)
 
         key = (*w.qweight.shape, w.group_size, dtype)
         forced = os.environ.get(INT4_ENV)
