@@ -423,3 +423,21 @@ def test_quantize_refuses_what_it_cannot_write(tmp_path, checkpoints, capsys):
     assert "quant_method='awq'" in capsys.readouterr().err
     assert cli(["quantize", bundled_model_path(), checkpoints["awq"][0]]) == 2
     assert "already holds a checkpoint" in capsys.readouterr().err
+
+
+def test_a_moe_checkpoint_exports_with_its_experts_and_router_in_full_precision(tmp_path):
+    """`raylm quantize` on Qwen3-MoE quantizes attention's projections and leaves the router and
+    the experts as they were (named in `ignore`: raylm serves them unquantized), and the copy loads."""
+    from safetensors.torch import load_file
+
+    from tests.workers.moe_checkpoints import write_checkpoint
+    from workers.quant.export import export_w8a8
+
+    src = write_checkpoint("engine", tmp_path / "moe")
+    export_w8a8(src, tmp_path / "w8a8")
+    floats, quant = load_file(f"{src}/model.safetensors"), load_file(tmp_path / "w8a8" / "model.safetensors")
+    experts = [n for n in floats if ".experts." in n or n.endswith("mlp.gate.weight")]
+    assert experts and all(torch.equal(quant[n], floats[n]) for n in experts)
+    assert quant["model.layers.0.self_attn.q_proj.weight"].dtype == torch.int8
+    model = load_model(str(tmp_path / "w8a8"))
+    assert model.quant.describe() == {"method": "compressed-tensors", "scheme": "w8a8-dynamic"}
