@@ -51,7 +51,7 @@ class EngineConfig:
     several times faster there, single-stream decode somewhat slower (it reads twice the
     bytes); pass dtype="bfloat16" to keep bf16. A quantized checkpoint (compressed-tensors W8A8,
     msmodelslim W8A8 / W8A8_DYNAMIC, AWQ W4A16) is read as such; `quantization="int8"` quantizes
-    an unquantized one's decoder linears at load (workers/quant/config.py). On the CPU the KV pool is `num_kv_blocks`
+    an unquantized one's decoder linears at load (workers/quant/formats.py). On the CPU the KV pool is `num_kv_blocks`
     blocks (None: room for max_num_seqs sequences of max_model_len within 1 GiB, at least
     512 blocks; workers/device.py default_cpu_blocks); on accelerators it is
     `memory_fraction` of the device's free memory.

@@ -135,7 +135,7 @@ def load_config(path) -> Qwen3Config:
 
 
 def load_quant_config(path, quantization: str | None = None) -> QuantConfig | None:
-    """The checkpoint's quantization (workers/quant/config.py) or the one `quantization` asks
+    """The checkpoint's quantization (workers/quant/formats.py) or the one `quantization` asks
     for at load; None for full precision. Raises QuantConfigError (a ValueError) naming what it
     cannot serve."""
     d = _checkpoint_dir(path)

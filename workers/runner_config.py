@@ -18,7 +18,7 @@ STEP_CHANNELS = ("socket", "ray")  # how a worker gets its steps (workers/step_c
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 ENV_DEVICE_OUTPUTS = "RAYLM_DEVICE_OUTPUTS"
-# what `quantization` may name (workers/quant/config.py): "int8" quantizes an unquantized checkpoint at
+# what `quantization` may name (workers/quant/formats.py): "int8" quantizes an unquantized checkpoint at
 # load; the others (vLLM's names; "ascend" is vllm-ascend's for msmodelslim) assert the checkpoint's own
 QUANTIZATIONS = ("int8", "compressed-tensors", "awq", "ascend")
 

@@ -347,6 +347,17 @@ def test_nonzero_zero_points_are_refused(tmp_path):
         load_model(str(d))
 
 
+def bytes_saved(quantized: str) -> tuple[int, int]:
+    """(the weight bytes the tiny model's checkpoint `quantized` holds less than the fp32 one, the fp32
+    decoder linears' bytes), both prepared by the CPU table with their originals released."""
+    fp32 = load_model(bundled_model_path())
+    linears = sum(p.nbytes for n, p in fp32.named_parameters() if n.endswith("proj.weight"))
+    fp32.prepare(get_op_table("cpu", "cpu"), release=True)
+    model = load_model(quantized)
+    model.prepare(get_op_table("cpu", "cpu"), release=True)
+    return fp32.weight_bytes() - model.weight_bytes(), linears
+
+
 @pytest.mark.parametrize("path", ["onednn-int8", "int-mm"])
 def test_quantized_weights_are_held_at_their_width(checkpoints, monkeypatch, path):
     """int8 decoder linears hold a quarter of fp32's bytes (scales aside), whichever kernel runs them
@@ -357,12 +368,8 @@ def test_quantized_weights_are_held_at_their_width(checkpoints, monkeypatch, pat
     if path == "onednn-int8" and not has_onednn_int8():
         pytest.skip("this torch has no oneDNN int8 inner product")
     monkeypatch.setenv("RAYLM_CPU_INT8_GEMM", path)
-    fp32 = load_model(bundled_model_path())
-    linears = sum(p.nbytes for n, p in fp32.named_parameters() if n.endswith("proj.weight"))
-    fp32.prepare(get_op_table("cpu", "cpu"), release=True)
-    int8 = load_model(checkpoints["compressed-tensors"][0])
-    int8.prepare(get_op_table("cpu", "cpu"), release=True)
-    assert fp32.weight_bytes() - int8.weight_bytes() >= 0.73 * linears
+    saved, linears = bytes_saved(checkpoints["compressed-tensors"][0])
+    assert saved >= 0.73 * linears
 
 
 @pytest.mark.parametrize("int4_rows", ["0", "64"])
@@ -370,13 +377,8 @@ def test_awq_weights_are_held_at_four_bits(checkpoints, monkeypatch, int4_rows):
     """AWQ linears hold half a byte a weight, plus torch's own int4 packing where its kernel runs
     (with its fp32 scales and zeros, about 0.3 of fp32's bytes in all), never the unpacked values."""
     monkeypatch.setenv("RAYLM_CPU_INT4_ROWS", int4_rows)
-    fp32 = load_model(bundled_model_path())
-    linears = sum(p.nbytes for n, p in fp32.named_parameters() if n.endswith("proj.weight"))
-    fp32.prepare(get_op_table("cpu", "cpu"), release=True)
-    awq = load_model(checkpoints["awq"][0])
-    awq.prepare(get_op_table("cpu", "cpu"), release=True)
-    held = fp32.weight_bytes() - awq.weight_bytes()
-    assert held >= (0.84 if int4_rows == "0" else 0.68) * linears
+    saved, linears = bytes_saved(checkpoints["awq"][0])
+    assert saved >= (0.84 if int4_rows == "0" else 0.68) * linears
 
 
 def test_exported_w8a8_is_the_formats_checkpoint(tmp_path):

@@ -1,7 +1,7 @@
-"""Quantized weights: the formats raylm reads (config), the linears that hold them (linear),
+"""Quantized weights: the formats raylm reads (formats), the linears that hold them (linear),
 their arithmetic (weights). The op tables compute them: workers/ops."""
 
-from workers.quant.config import QuantConfig, QuantConfigError, read_quant_config
+from workers.quant.formats import QuantConfig, QuantConfigError, read_quant_config
 from workers.quant.linear import QuantizedLinear, attach, convert_loaded, quant_weight, quantize_at_load
 from workers.quant.weights import Int4Weight, Int8Weight, QuantWeight, fuse, reference_linear
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from workers.quant.config import PROJECTIONS
+from workers.quant.formats import PROJECTIONS
 from workers.quant.weights import INT8_MAX, INT8_MIN
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from workers.quant.config import PROJECTIONS, QuantConfig, QuantConfigError
+from workers.quant.formats import PROJECTIONS, QuantConfig, QuantConfigError
 from workers.quant.weights import Int4Weight, Int8Weight, QuantWeight, quantize_int8
 
 AWQ_PACK = 8  # 4-bit values per int32
@@ -19,7 +19,7 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's GEMM packing: nibble i of an i
 
 class QuantizedLinear(nn.Module):
     """in_features -> out_features through a quantized weight; parameters named as the format's
-    checkpoints name them (method, scheme: workers/quant/config.py)."""
+    checkpoints name them (method, scheme: workers/quant/formats.py)."""
 
     def __init__(self, in_features: int, out_features: int, bias: torch.dtype | None, method: str, scheme: str,
                  group_size: int = 0, name: str = "") -> None:
