@@ -2,8 +2,8 @@
 
 config.json, then model.safetensors or a sharded model.safetensors.index.json; tied or
 untied embeddings; dtype from the config or overridden. A MoE layer's experts come either
-under Qwen's per-expert names (`mlp.experts.N.{gate,up,down}_proj.weight`) or in the stacked
-layout (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`). Every problem raises a
+under Qwen's per-expert names (`mlp.experts.N.{gate,up,down}_proj.weight`, with `weight_scale`
+when quantized) or in the stacked layout (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`). Every problem raises a
 CheckpointError (a ValueError) that names it: the missing directory or file, the missing
 or unexpected weight, both shapes of a mismatch, the architecture that is not Qwen3.
 
@@ -29,6 +29,7 @@ import torch
 from safetensors import safe_open
 
 from workers.models.qwen3 import PreparedWeights, Qwen3Config, Qwen3ForCausalLM
+from workers.models.qwen3_moe import Qwen3MoeInt8Experts
 from workers.models.rope import RopeConfig
 from workers.parallel import SINGLE, TensorParallel, shard_of
 from workers.quant import QuantConfig, QuantizedLinear, attach, convert_loaded, quantize_at_load, read_quant_config
@@ -40,7 +41,9 @@ DTYPES = {name: getattr(torch, canonical_dtype(name)) for name in (*DTYPE_NAMES,
 # weights some checkpoints carry that the model recomputes
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # one expert's weight under Qwen's per-expert names: (layer's experts prefix, expert, projection)
-_EXPERT_NAME = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# (a quantized expert's int8 weight, its scale, or the zero offsets its format writes beside them)
+_EXPERT_NAME = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\."
+                          r"(weight|weight_scale|weight_offset|weight_zero_point)$")
 
 
 class CheckpointError(ValueError):
@@ -207,7 +210,7 @@ def expert_dtype_for(weights_dtype: torch.dtype, dtype: torch.dtype) -> torch.dt
 def store_experts(model: Qwen3ForCausalLM, dtype: torch.dtype) -> None:
     """Keep every MoE layer's experts in `dtype` (in place; nothing for a dense model)."""
     for name, module in model.named_modules():
-        if name.endswith("mlp.experts"):
+        if name.endswith("mlp.experts") and not isinstance(module, Qwen3MoeInt8Experts):
             module.to(dtype)
 
 
@@ -218,7 +221,7 @@ def cast_model(model: Qwen3ForCausalLM, dtype: torch.dtype, device=None, *, copy
     if copy:
         model = deepcopy(model)
     experts = {id(p) for name, m in model.named_modules() if name.endswith("mlp.experts") for p in m.parameters()}
-    quantized = {id(p) for m in model.modules() if isinstance(m, QuantizedLinear)
+    quantized = {id(p) for m in model.modules() if isinstance(m, (QuantizedLinear, Qwen3MoeInt8Experts))
                  for n, p in m.named_parameters() if n != "bias"}
     for param in model.parameters():  # each straight to its own dtype: never a wide copy of every expert
         if id(param) in quantized:  # a format's tensors (int8, int32, fp32 scales) keep their dtype
@@ -289,7 +292,8 @@ def _symmetric_zero_point(name: str, f, params: dict) -> bool:
 class _ExpertPieces:
     """Loads experts stored under Qwen's per-expert names into the model's stacked tensors
     (`...mlp.experts.gate_up_proj` [E, 2I, hidden]: gate rows, then up rows; `down_proj`
-    [E, hidden, I]), this rank's experts and slices only, and tracks which arrived."""
+    [E, hidden, I]; a quantized layer's per-channel scales into `gate_up_proj_scale` [E, 2I] and
+    `down_proj_scale` [E, hidden]), this rank's experts and slices only, and tracks which arrived."""
 
     def __init__(self, model: Qwen3ForCausalLM, parallel: TensorParallel) -> None:
         self.parallel = parallel
@@ -298,13 +302,18 @@ class _ExpertPieces:
         self.pieces: dict[str, set] = {}  # stacked parameter -> (local expert, projection) loaded
 
     def load(self, name: str, f, params: dict, file: str) -> bool:
-        """Load `name` from the open safetensors `f` (named `file`) if it is one expert's weight
+        """Load `name` from the open safetensors `f` (named `file`) if it is one expert's tensor
         (True), else leave it (False)."""
         m = _EXPERT_NAME.match(name)
         if m is None:
             return False
-        prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+        prefix, expert, proj, kind = m.group(1), int(m.group(2)), m.group(3), m.group(4)
         target = f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+        if kind in ("weight_offset", "weight_zero_point") and f"{target}_scale" in params:
+            if f.get_tensor(name).count_nonzero().item():
+                raise CheckpointError(f"{name} is not all zeros: asymmetric int8 experts are not supported")
+            return True  # symmetric int8: the zero offsets its format writes carry nothing
+        target += "" if kind == "weight" else "_scale"
         if target not in params or expert >= self.config.num_experts:
             raise CheckpointError(f"unexpected weight {name!r} in {file}")
         c = self.config
@@ -312,6 +321,8 @@ class _ExpertPieces:
                                                                                       c.hidden_size)
         source = f.get_slice(name)  # reads nothing until sliced
         shape = tuple(source.get_shape())
+        if kind == "weight_scale":  # one per output channel, [out, 1] as the formats write it (or [out])
+            full = (full[0], 1) if len(shape) == 2 else full[:1]
         if shape != full:
             raise CheckpointError(f"shape mismatch for {name!r}: checkpoint has {shape}, model expects {full}")
         local = expert - self.shape.first_expert
@@ -323,7 +334,7 @@ class _ExpertPieces:
         inter = self.shape.moe_intermediate_size
         param = params[target]
         rows = {"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter), "down_proj": slice(None)}[proj]
-        param[local, rows].copy_(part)
+        param[local, rows].copy_(part.reshape(param[local, rows].shape))
         self.pieces.setdefault(target, set()).add((local, proj))
         return True
 
@@ -331,7 +342,7 @@ class _ExpertPieces:
         """The stacked parameters every one of whose local experts arrived whole."""
         done = set()
         for target, got in self.pieces.items():
-            projs = ("down_proj",) if target.endswith("down_proj") else ("gate_proj", "up_proj")
+            projs = ("down_proj",) if ".down_proj" in target else ("gate_proj", "up_proj")
             if all((e, p) in got for e in range(self.shape.num_local_experts) for p in projs):
                 done.add(target)
         return done

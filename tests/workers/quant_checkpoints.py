@@ -29,7 +29,7 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 def _copy_checkpoint(src: Path, dst: Path) -> tuple[dict, dict]:
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors":
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":  # one file out
             shutil.copy(f, dst / f.name)
     tensors = {}
     for f in sorted(src.glob("*.safetensors")):
@@ -37,8 +37,10 @@ def _copy_checkpoint(src: Path, dst: Path) -> tuple[dict, dict]:
     return json.loads((src / "config.json").read_text()), tensors
 
 
-def _projection(name: str) -> bool:
-    return name.endswith(".weight") and name.rsplit(".", 2)[-2] in PROJECTIONS and ".experts." not in name
+def _projection(name: str, experts: bool = False) -> bool:
+    """A decoder projection's weight; MoE experts' (`mlp.experts.N.gate_proj.weight`) where `experts`."""
+    return name.endswith(".weight") and name.rsplit(".", 2)[-2] in PROJECTIONS and \
+        (experts or ".experts." not in name)
 
 
 def _int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,11 +54,13 @@ def _save(dst: Path, config: dict, tensors: dict) -> Path:
     return dst
 
 
-def write_compressed_tensors(src: Path, dst: Path, zero_points: bool = False) -> Path:
+def write_compressed_tensors(src: Path, dst: Path, zero_points: bool = False, experts: bool = False) -> Path:
+    """experts: a MoE checkpoint's experts quantized too (under their per-expert names), the router
+    left in full precision (in `ignore`); else experts and router both left alone."""
     config, tensors = _copy_checkpoint(Path(src), Path(dst))
     out = {}
     for name, t in tensors.items():
-        if _projection(name):
+        if _projection(name, experts):
             q, scale = _int8_per_channel(t)
             out[name], out[name + "_scale"] = q, scale.to(t.dtype)
             if zero_points:
@@ -71,18 +75,21 @@ def write_compressed_tensors(src: Path, dst: Path, zero_points: bool = False) ->
                         "group_size": None, "observer": "minmax"},
             "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
                                   "dynamic": True, "observer": None}}},
-        "ignore": ["lm_head"], "kv_cache_scheme": None}
+        "ignore": ["lm_head", "re:.*mlp[.]gate$"] + ([] if experts else ["re:.*[.]experts[.].*"]),
+        "kv_cache_scheme": None}
     return _save(Path(dst), config, out)
 
 
-def write_modelslim(src: Path, dst: Path, dynamic: bool, input_ranges: dict | None = None) -> Path:
-    """input_ranges (static): linear name -> (min, max) of its inputs, as msmodelslim calibrates."""
+def write_modelslim(src: Path, dst: Path, dynamic: bool, input_ranges: dict | None = None,
+                    experts: bool = False) -> Path:
+    """input_ranges (static): linear name -> (min, max) of its inputs, as msmodelslim calibrates.
+    experts: a MoE checkpoint's experts quantized too (W8A8_DYNAMIC; the router stays FLOAT)."""
     config, tensors = _copy_checkpoint(Path(src), Path(dst))
     dtype = next(t.dtype for t in tensors.values() if t.is_floating_point())
     out, description = {}, {"model_quant_type": "W8A8_DYNAMIC" if dynamic else "W8A8"}
     for name, t in tensors.items():
         description[name] = "FLOAT"
-        if not _projection(name):
+        if not _projection(name, experts):
             out[name] = t
             continue
         prefix = name.removesuffix(".weight")

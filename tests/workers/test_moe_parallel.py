@@ -1,6 +1,6 @@
 """Qwen3-MoE over two ranks (spawned processes, gloo): experts split whole across the ranks
 (expert parallelism) or each expert's intermediate dim split (plain TP), both equal to one rank
-and to HF; each rank holds and reads only its part."""
+and to HF; each rank holds and reads only its part, int8 experts with their scales included."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from scheduler.protocol import WorkerSampling
 from tests import oracle
 from tests.workers.moe_checkpoints import hf_moe, write_checkpoint
+from tests.workers.quant_checkpoints import write_compressed_tensors
 from tests.workers.tp_ranks import job, run_ranks
 from workers.loader import load_config, load_model
 from workers.ops import cpu_kernels
@@ -34,6 +35,7 @@ def paths(tmp_path_factory):
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(f"{paths['top2']}/{f}", bf16 / f)
     paths["top2_bf16"] = str(bf16)
+    paths["top2_w8a8"] = str(write_compressed_tensors(paths["top2"], root / "top2_w8a8", experts=True))
     return paths
 
 
@@ -42,7 +44,9 @@ def runs(paths):
     jobs = [job(dict(RUNNER, model=paths["top2"]), PROMPTS, NEW, chunk=5),
             job(dict(RUNNER, model=paths["sparse_step"]), PROMPTS, NEW),
             job(dict(RUNNER, model=paths["top2"]), PROMPTS, NEW, SEEDED),
-            job(dict(RUNNER, model=paths["top2_bf16"], dtype="float32"), PROMPTS, NEW)]
+            job(dict(RUNNER, model=paths["top2_bf16"], dtype="float32"), PROMPTS, NEW),
+            job(dict(RUNNER, model=paths["top2_w8a8"]), PROMPTS, NEW),
+            job(dict(RUNNER, model=paths["top2"], quantization="int8"), PROMPTS, NEW)]
     return {"one": run_ranks(1, jobs), "tp": run_ranks(2, jobs), "ep": run_ranks(2, jobs, expert_parallel=True)}
 
 
@@ -87,3 +91,20 @@ def test_each_rank_loads_its_own_experts_from_the_checkpoint(paths):
             up = whole.gate_up_proj[:, inter + rank * half:inter + (rank + 1) * half]
             assert sliced.gate_up_proj.equal(torch.cat([gate, up], dim=1))
             assert sliced.down_proj.equal(whole.down_proj[:, :, rank * half:(rank + 1) * half])
+
+
+@pytest.mark.parametrize("job_index", [4, 5], ids=["compressed-tensors", "int8-at-load"])
+def test_int8_experts_over_two_ranks(runs, job_index):
+    """Both layouts quantize a row-parallel linear's input per rank, over the rank's slice (attention's
+    o_proj under either; each expert's down under plain TP), as the dense formats do and vLLM does:
+    other activation scales than one rank's, so held close to one rank, not equal. (Expert-parallel
+    slices against the reference: tests/workers/test_moe_quant.py.)"""
+    one = runs["one"][job_index]
+    for layout in ("ep", "tp"):
+        got = runs[layout][job_index]
+        equal = sum(a == b for x, y in zip(one[0], got[0]) for a, b in zip(x, y))
+        assert equal >= 0.75 * len(PROMPTS) * NEW, (layout, one[0], got[0])
+    ep, tp = runs["ep"][job_index], runs["tp"][job_index]
+    for stats in (one[1], ep[1], tp[1]):
+        assert "moe-w8a8-dynamic" in stats["ops"]["quantized"]
+    assert ep[1]["weight_bytes"] < one[1]["weight_bytes"] and tp[1]["weight_bytes"] < one[1]["weight_bytes"]

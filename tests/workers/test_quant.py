@@ -427,19 +427,28 @@ def test_quantize_refuses_what_it_cannot_write(tmp_path, checkpoints, capsys):
     assert "already holds a checkpoint" in capsys.readouterr().err
 
 
-def test_a_moe_checkpoint_exports_with_its_experts_and_router_in_full_precision(tmp_path):
-    """`raylm quantize` on Qwen3-MoE quantizes attention's projections and leaves the router and
-    the experts as they were (named in `ignore`: raylm serves them unquantized), and the copy loads."""
+@pytest.mark.parametrize("layout", ["engine", "stacked"])
+def test_a_moe_checkpoint_exports_its_experts_quantized_and_its_router_in_full_precision(tmp_path, layout):
+    """`raylm quantize` on Qwen3-MoE quantizes attention's projections and every expert (under Qwen's
+    per-expert names, whether the source stores experts per expert or stacked), leaves the router as
+    it was (named in `ignore`), and the copy loads with int8 experts."""
     from safetensors.torch import load_file
 
     from tests.workers.moe_checkpoints import write_checkpoint
     from workers.quant.export import export_w8a8
 
-    src = write_checkpoint("engine", tmp_path / "moe")
+    src = write_checkpoint(layout, tmp_path / "moe")
     export_w8a8(src, tmp_path / "w8a8")
     floats, quant = load_file(f"{src}/model.safetensors"), load_file(tmp_path / "w8a8" / "model.safetensors")
-    experts = [n for n in floats if ".experts." in n or n.endswith("mlp.gate.weight")]
-    assert experts and all(torch.equal(quant[n], floats[n]) for n in experts)
+    routers = [n for n in floats if n.endswith("mlp.gate.weight")]
+    assert routers and all(torch.equal(quant[n], floats[n]) for n in routers)
     assert quant["model.layers.0.self_attn.q_proj.weight"].dtype == torch.int8
+    whole = load_model(src)
     model = load_model(str(tmp_path / "w8a8"))
     assert model.quant.describe() == {"method": "compressed-tensors", "scheme": "w8a8-dynamic"}
+    for (name, a), (_, b) in zip(whole.named_modules(), model.named_modules()):
+        if name.endswith("mlp.experts"):
+            for proj in ("gate_up_proj", "down_proj"):
+                q, scale, w = getattr(b, proj), getattr(b, proj + "_scale"), getattr(a, proj)
+                assert q.dtype == torch.int8 and q.shape == w.shape
+                assert (q.float() * scale[..., None] - w.float()).abs().max() <= scale.max() * 0.51

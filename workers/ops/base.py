@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from workers.quant.weights import reference_linear
+from workers.quant.weights import Int8Weight, reference_linear
 
 
 @dataclass
@@ -102,6 +102,24 @@ class MoEWeights:
     @property
     def intermediate_size(self) -> int:
         return self.w2.shape[2]
+
+
+@dataclass
+class Int8MoEWeights(MoEWeights):
+    """One MoE layer's experts quantized W8A8 with dynamic activations (compressed-tensors'
+    int-quantized, msmodelslim's W8A8_DYNAMIC, quantization="int8"): w13 / w2 int8 in MoEWeights'
+    layout, w13_scale fp32 [num_local, 2I] and w2_scale fp32 [num_local, hidden], one per output
+    channel. Each expert's two products are W8A8 linears (workers/quant/weights.py): x quantized
+    per token before gate/up, silu(gate) * up (in x's dtype) quantized per token before down."""
+
+    w13_scale: torch.Tensor
+    w2_scale: torch.Tensor
+
+    def gate_up(self, e: int) -> Int8Weight:
+        return Int8Weight(self.w13[e], self.w13_scale[e])
+
+    def down(self, e: int) -> Int8Weight:
+        return Int8Weight(self.w2[e], self.w2_scale[e])
 
 
 def route_tokens(router_logits: torch.Tensor, top_k: int,
@@ -234,6 +252,12 @@ class OpTable:
         """One layer's experts (MoEWeights' layout) -> the handle fused_moe takes, once at load;
         dtype: the activations' (None: the experts'), where a table lays out narrower experts apart."""
         return MoEWeights(w13, w2, first_expert, num_experts)
+
+    def prepare_quantized_moe(self, experts: Int8MoEWeights, dtype: torch.dtype | None = None) -> MoEWeights:
+        """One layer's int8 experts -> the handle fused_moe takes, once at load; dtype: the
+        activations'. Default: as they are (the reference's expert loop of W8A8 linears)."""
+        self.quant_paths = self.quant_paths | {"moe-w8a8-dynamic:reference"}
+        return experts
 
     def fused_moe(self, x: torch.Tensor, router_logits: torch.Tensor, experts: MoEWeights, top_k: int,
                   renormalize: bool) -> torch.Tensor:

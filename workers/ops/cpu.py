@@ -244,5 +244,10 @@ class CPUOps(ReferenceOps):
     def prepare_moe(self, w13, w2, first_expert, num_experts, dtype=None):
         return self.moe.prepare(w13, w2, first_expert, num_experts, dtype)
 
+    def prepare_quantized_moe(self, experts, dtype=None):
+        """int8 experts as they lie: raylm's int8 MoE kernel reads them there (cpu_moe.py)."""
+        self.quant_paths = self.quant_paths | {f"moe-{experts.gate_up(0).scheme}:{self.moe.int8_path()}"}
+        return experts
+
     def fused_moe(self, x, router_logits, experts, top_k, renormalize):
         return self.moe.forward(x, router_logits, experts, top_k, renormalize)

@@ -12,7 +12,12 @@ Python:
 - "aten-mm": the same kernel's routing with aten's GEMM per hit expert (oneDNN, with AMX for bf16
   where the CPU has it; MKL for fp32), in x's dtype;
 - "grouped-mm": torch._grouped_mm (workers/ops/moe_grouped.py), in x's dtype;
-- "reference": the reference table's expert loop (forced only).
+- "reference": the reference table's expert loop (forced only);
+- "cpp-int8": int8 experts (Int8MoEWeights, W8A8 with dynamic activations), raylm's kernel
+  (csrc/fused_moe.cpp's fused_moe_int8 over csrc/int8_dot.h): tokens quantized once, int8 weights
+  read where they lie (a quarter of fp32's bytes) against int16-widened activations, exact int32
+  sums, the reference's rounding steps. The only path for int8 experts besides the reference (no
+  library here runs a grouped int8 GEMM); a float path forced by RAYLM_CPU_MOE leaves them on it.
 
 The fastest depends on the CPU (AMX or not), the dtypes and the tokens per step: decode reads every
 hit expert's weights once and is bound by memory, a large batch is bound by arithmetic, where a GEMM
@@ -37,11 +42,11 @@ import time
 import torch
 
 from workers.ops import cpu_kernels
-from workers.ops.base import MoEWeights, route_tokens
+from workers.ops.base import Int8MoEWeights, MoEWeights, route_tokens
 from workers.ops.moe_grouped import grouped_mm_fits, grouped_mm_moe
 from workers.ops.reference import ReferenceOps
 
-PATHS = ("cpp-packed", "cpp", "aten-mm", "grouped-mm", "reference")
+PATHS = ("cpp-packed", "cpp", "aten-mm", "grouped-mm", "reference", "cpp-int8")
 ENV = "RAYLM_CPU_MOE"
 BUCKETS = (1, 8, 64, 256, 1024)  # token counts up to each edge share one measurement; above the last, one more
 # a larger batch is measured on its first MEASURE_TOKENS tokens: a prefill step's size (max_num_batched_tokens'
@@ -109,8 +114,14 @@ class CPUMoE:
                                     num_experts, w2.shape[2])
         return MoEWeights(w13.contiguous(), w2.contiguous(), first_expert, num_experts)
 
+    def int8_path(self) -> str:
+        """The path int8 experts run: the kernel, else (not built, or forced) the reference."""
+        return "cpp-int8" if self.kernels is not None and forced_path() != "reference" else "reference"
+
     def candidates(self, x: torch.Tensor, experts: MoEWeights) -> list[str]:
         """The paths that may serve this layer's dtypes here, fastest-first when untimed."""
+        if isinstance(experts, Int8MoEWeights):
+            return [self.int8_path()]
         if isinstance(experts, PackedMoEWeights):
             return ["cpp-packed"]
         same = experts.w13.dtype == x.dtype
@@ -132,6 +143,15 @@ class CPUMoE:
         if path == "cpp-packed" and not packed:
             raise ValueError("the 'cpp-packed' MoE path takes experts packed at prepare: set "
                              f"{ENV}=cpp-packed before the model is prepared")
+        int8 = isinstance(experts, Int8MoEWeights)
+        if (path == "cpp-int8" and not int8) or (int8 and path not in ("cpp-int8", "reference")):
+            raise ValueError(f"the MoE path {path!r} does not take {'int8' if int8 else 'float'} experts")
+        if path == "cpp-int8":
+            weights, ids = route_tokens(router_logits, top_k, renormalize)
+            out = torch.empty_like(x)
+            self.kernels.fused_moe_int8(out, x.contiguous(), experts.w13, experts.w13_scale, experts.w2,
+                                        experts.w2_scale, ids, weights, experts.first_expert)
+            return out
         if packed:
             weights, ids = route_tokens(router_logits, top_k, renormalize)
             out = torch.empty_like(x)
@@ -159,6 +179,8 @@ class CPUMoE:
                renormalize: bool) -> str:
         """The forced path, else the process's measured winner for this case (measured now if new)."""
         forced = forced_path()
+        if isinstance(experts, Int8MoEWeights):
+            return self.int8_path()
         if forced is not None:
             return forced
         paths = self.candidates(x, experts)

@@ -19,15 +19,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.ops.base import MoEWeights, route_tokens
+from workers.ops.base import Int8MoEWeights, MoEWeights, route_tokens
 
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def grouped_mm_fits(x: torch.Tensor, experts: MoEWeights) -> bool:
     """Whether torch._grouped_mm takes this layer: it exists, takes x's dtype, and every operand's
-    rows are a multiple of 16 bytes (hidden and intermediate sizes, in x's dtype)."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype not in GROUPED_DTYPES:
+    rows are a multiple of 16 bytes (hidden and intermediate sizes, in x's dtype); float experts
+    only (int8 ones take their scales per product)."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in GROUPED_DTYPES or isinstance(experts, Int8MoEWeights):
         return False
     per_16_bytes = 16 // x.element_size()
     return x.shape[-1] % per_16_bytes == 0 and experts.intermediate_size % per_16_bytes == 0

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.ops.base import AttentionBackend, AttentionMetadata, MoEWeights, OpTable, route_tokens
+from workers.ops.base import AttentionBackend, AttentionMetadata, Int8MoEWeights, MoEWeights, OpTable, route_tokens
+from workers.quant.weights import reference_linear
 
 
 def _blocks_for(n: int, block_size: int) -> int:
@@ -114,15 +115,21 @@ class ReferenceOps(OpTable):
 
     def fused_moe(self, x, router_logits, experts: MoEWeights, top_k, renormalize):
         """HF's expert loop: each hit expert in ascending order adds its tokens' weighted outputs
-        into a zero sum (index_add_), widening a narrower expert's weights as it reads them."""
+        into a zero sum (index_add_), widening a narrower expert's weights as it reads them; int8
+        experts (Int8MoEWeights) compute their format's arithmetic (reference_linear)."""
         weights, ids = route_tokens(router_logits, top_k, renormalize)  # [T, k] each
         out = torch.zeros_like(x)
         local = ids - experts.first_expert  # [T, k]: this rank's index of each chosen expert
         held = (local >= 0) & (local < experts.num_local)
+        quantized = isinstance(experts, Int8MoEWeights)
         for e in torch.unique(local[held]).tolist():
             token, slot = torch.where(local == e)
-            h = self.linear(x[token], (experts.w13[e].to(x.dtype), None))  # [n, 2I]
-            h = self.linear(self.silu_and_mul(h), (experts.w2[e].to(x.dtype), None))  # [n, hidden]
+            if quantized:  # the W8A8 linears' arithmetic, each expert's activations quantized per token
+                h = reference_linear(self.silu_and_mul(reference_linear(x[token], experts.gate_up(e))),
+                                     experts.down(e))
+            else:
+                h = self.linear(x[token], (experts.w13[e].to(x.dtype), None))  # [n, 2I]
+                h = self.linear(self.silu_and_mul(h), (experts.w2[e].to(x.dtype), None))  # [n, hidden]
             out.index_add_(0, token, h * weights[token, slot, None])
         return out
 

@@ -1,8 +1,10 @@
 """Write a float checkpoint's W8A8 copy in compressed-tensors' `int-quantized` format, the one
 llm-compressor's W8A8 recipes write and vLLM and raylm both serve: every decoder projection's
 weight as int8 [out, in] with a symmetric scale per output channel (`weight_scale` [out, 1] in the
-checkpoint's float dtype), activations marked dynamic per token, the lm_head (and any MoE experts
-and routers) left in full precision and named in `ignore`.
+checkpoint's float dtype), activations marked dynamic per token, the lm_head and any MoE routers
+left in full precision and named in `ignore`. A Qwen3-MoE checkpoint's experts are quantized the
+same way under Qwen's per-expert names (`mlp.experts.N.gate_proj.weight`, ...), however the source
+stores them (per expert, or stacked `mlp.experts.gate_up_proj` / `down_proj`, which are split).
 
 The weights are rounded to nearest (no SmoothQuant / GPTQ calibration): `raylm quantize` is for a
 checkpoint nobody published quantized, and for benchmarks that need the same W8A8 weights in every
@@ -27,7 +29,20 @@ from workers.quant.weights import INT8_MAX, INT8_MIN
 def _quantizable(name: str, tensor: torch.Tensor) -> bool:
     parts = name.split(".")
     return (name.endswith(".weight") and len(parts) >= 2 and parts[-2] in PROJECTIONS
-            and ".experts." not in name and tensor.dim() == 2 and tensor.is_floating_point())
+            and tensor.dim() == 2 and tensor.is_floating_point())
+
+
+def _per_expert(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A stacked experts tensor (`...mlp.experts.gate_up_proj` [E, 2I, hidden], `...down_proj`
+    [E, hidden, I]) as Qwen's per-expert weights; {name: tensor} for anything else."""
+    prefix, _, last = name.rpartition(".")
+    if not prefix.endswith("mlp.experts") or last not in ("gate_up_proj", "down_proj") or tensor.dim() != 3:
+        return {name: tensor}
+    if last == "down_proj":
+        return {f"{prefix}.{e}.down_proj.weight": w for e, w in enumerate(tensor)}
+    gate, up = tensor.chunk(2, dim=1)
+    return {f"{prefix}.{e}.{p}.weight": w[e] for e in range(tensor.shape[0]) for p, w in (("gate_proj", gate),
+                                                                                            ("up_proj", up))}
 
 
 def quantize_channel_int8(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +67,7 @@ def compressed_tensors_config() -> dict:
                         "group_size": None, "observer": "minmax"},
             "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
                                   "dynamic": True, "observer": None}}},
-        "ignore": ["lm_head", "re:.*mlp\\.gate$", "re:.*\\.experts\\..*"], "kv_cache_scheme": None}
+        "ignore": ["lm_head", "re:.*mlp\\.gate$"], "kv_cache_scheme": None}
 
 
 def export_w8a8(src, dst) -> Path:
@@ -78,12 +93,12 @@ def export_w8a8(src, dst) -> Path:
     out: dict[str, torch.Tensor] = {}
     for path in files:
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                t = f.get_tensor(name)
-                if _quantizable(name, t):
-                    out[name], out[name + "_scale"] = quantize_channel_int8(t, t.dtype)
-                else:
-                    out[name] = t
+            for stored in f.keys():
+                for name, t in _per_expert(stored, f.get_tensor(stored)).items():
+                    if _quantizable(name, t):
+                        out[name], out[name + "_scale"] = quantize_channel_int8(t, t.dtype)
+                    else:
+                        out[name] = t
     raw["quantization_config"] = compressed_tensors_config()
     (dst / "config.json").write_text(json.dumps(raw, indent=2))
     save_file({k: v.contiguous() for k, v in out.items()}, str(dst / "model.safetensors"))

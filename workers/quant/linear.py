@@ -93,16 +93,37 @@ def _check_unquantized(config: QuantConfig, name: str, what: str) -> None:
                                "keeps it in full precision and does not serve it quantized")
 
 
+def _experts_scheme(config: QuantConfig, name: str, num_experts: int) -> str | None:
+    """The one scheme every expert projection of MoE layer `name` (its `...mlp.experts`) computes
+    in; an error where they differ (a layer's experts are one stacked tensor) or where it is one
+    raylm's MoE kernels do not run (only W8A8 with dynamic activations)."""
+    schemes = {config.scheme_for(f"{name}.{e}.{p}") for e in range(num_experts)
+               for p in ("gate_proj", "up_proj", "down_proj")}
+    if len(schemes) > 1:
+        raise QuantConfigError(f"{config.method}: the experts of {name} mix quantization schemes "
+                               f"({sorted(map(str, schemes))}); raylm stacks a layer's experts and needs one")
+    scheme = schemes.pop()
+    if scheme not in (None, "w8a8-dynamic"):
+        raise QuantConfigError(f"{config.method}: MoE experts {name}.* are {scheme}; raylm serves quantized "
+                               "experts as W8A8 with dynamic per-token activations only (w8a8-dynamic)")
+    return scheme
+
+
 def attach(model: nn.Module, config: QuantConfig) -> None:
     """Swap each decoder linear `config` quantizes for a QuantizedLinear of the same (this rank's)
-    shape, in place; refuse a format that quantizes what raylm serves only unquantized (the
-    lm_head, a MoE router, MoE experts)."""
+    shape, and each MoE layer's experts it quantizes for Qwen3MoeInt8Experts, in place; refuse a
+    format that quantizes what raylm serves only unquantized (the lm_head, a MoE router)."""
+    # imported here: the model's modules import the op tables, which import workers.quant
+    from workers.models.qwen3_moe import Qwen3MoeInt8Experts
+
     if not config.in_checkpoint:
         return
     _check_unquantized(config, "lm_head", "the lm_head")
     for name, module in list(model.named_modules()):
         if name.endswith(".mlp.experts"):
-            _check_unquantized(config, f"{name}.0.gate_proj", "MoE expert")
+            if _experts_scheme(config, name, module.num_experts) is not None:
+                model.get_submodule(name.rsplit(".", 1)[0]).experts = Qwen3MoeInt8Experts(model.config,
+                                                                                          model.parallel)
             continue
         if not isinstance(module, nn.Linear) or name == "lm_head":
             continue
@@ -120,9 +141,20 @@ def attach(model: nn.Module, config: QuantConfig) -> None:
 
 @torch.no_grad()
 def quantize_at_load(model: nn.Module, config: QuantConfig) -> None:
-    """quantization="int8": each decoder projection of a loaded model -> int8 per output channel
-    (dynamic per-token activations), its float weight freed. MoE experts stay as loaded."""
+    """quantization="int8": each decoder projection and MoE expert of a loaded model -> int8 per
+    output channel (dynamic per-token activations), its float weight freed."""
+    from workers.models.qwen3_moe import Qwen3MoeExperts, Qwen3MoeInt8Experts  # as in attach
+
     for name, module in list(model.named_modules()):
+        if isinstance(module, Qwen3MoeExperts):
+            q = Qwen3MoeInt8Experts(model.config, model.parallel).to(module.gate_up_proj.device)
+            for proj in ("gate_up_proj", "down_proj"):
+                for e, weight in enumerate(getattr(module, proj)):  # one expert at a time: a small fp32 copy
+                    w = quantize_int8(weight)
+                    getattr(q, proj)[e].copy_(w.qweight)
+                    getattr(q, proj + "_scale")[e].copy_(w.scale)
+            model.get_submodule(name.rsplit(".", 1)[0]).experts = q
+            continue
         if not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] not in PROJECTIONS \
                 or config.scheme_for(name) is None:
             continue

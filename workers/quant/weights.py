@@ -99,11 +99,12 @@ def fuse(parts: list[QuantWeight]) -> QuantWeight:
 
 
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:
-    """A float weight [out, in] -> symmetric int8 per output channel (scale = max |w| / 127), for
-    activations quantized per token: what quantization="int8" does at load."""
+    """A float weight [..., out, in] (a linear's, or a layer's stacked experts') -> symmetric int8
+    per output channel (scale [..., out] = max |w| / 127), for activations quantized per token:
+    what quantization="int8" does at load."""
     w = weight.float()
-    scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / INT8_MAX
-    q = torch.round(w / scale[:, None]).clamp_(INT8_MIN, INT8_MAX).to(torch.int8)
+    scale = w.abs().amax(dim=-1).clamp(min=torch.finfo(torch.float32).tiny) / INT8_MAX
+    q = torch.round(w / scale[..., None]).clamp_(INT8_MIN, INT8_MAX).to(torch.int8)
     return Int8Weight(q, scale)
 
 

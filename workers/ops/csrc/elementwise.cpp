@@ -279,16 +279,6 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
   });
 }
 
-// round half to even, then to int8's range, in a form that vectorizes (libm's nearbyint is a call
-// per element): v limited to [-256, 256] (beyond, the result clamps the same), then 1.5 * 2^23 added
-// and taken away, which rounds to an integer in the current (nearest-even) mode
-inline int8_t round_to_int8(float v) {
-  constexpr float kMagic = 12582912.f;
-  v = std::min(256.f, std::max(-256.f, v));
-  const float r = (v + kMagic) - kMagic;
-  return static_cast<int8_t>(static_cast<int>(std::min(127.f, std::max(-128.f, r))));
-}
-
 // x [T, K] -> int8 out: per token and symmetric where `scales` is given (W8A8's dynamic activations,
 // as weights.quantize_rows: scale = max(max |x|, FLT_MIN) / 127 written to scales[t], q =
 // clamp(round-half-even(x / scale))), else by the one static scale and offset (weights.quantize_static:
@@ -317,7 +307,7 @@ void quantize_int8(at::Tensor& out, const at::Tensor& x, float* scales, float sc
         }
         int8_t* o = op + r * k;
 #pragma omp simd
-        for (int64_t i = 0; i < k; ++i) o[i] = round_to_int8(E::ld(xr[i]) / s + z);
+        for (int64_t i = 0; i < k; ++i) o[i] = raylm::round_to_int8(E::ld(xr[i]) / s + z);
       }
     });
   });

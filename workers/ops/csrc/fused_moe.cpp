@@ -30,10 +30,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <functional>
+#include <limits>
+#include <tuple>
 #include <string>
 #include <vector>
 
+#include "int8_dot.h"
 #include "moe_gemv.h"
 #include "panel_gemm.h"
 #include "vec_math.h"
@@ -373,6 +377,139 @@ void fused_moe_packed(at::Tensor out, at::Tensor x, at::Tensor w13p, at::Tensor 
   }
 }
 
+// -- int8 experts (W8A8 with dynamic per-token activations), int8_dot.h's micro-kernel ----------------------
+// The reference's arithmetic (workers/quant/weights.py reference_linear, one per product): each token's x
+// quantized once (scale = max(max |x|, FLT_MIN) / 127, round half to even), exact int32 sums, (sums x the
+// token's scale) x the channel's scale in double, rounded to x's dtype; silu(gate) and its product with up
+// each rounded to x's dtype; that quantized per pair likewise before down; down's outputs rounded to x's
+// dtype, times the routing weight, added into the token's fp32 sum (experts in ascending order).
+// Phases as moe_blocked's: gate/up by (expert, row tile), the activations' quantization by pair, down by
+// owned tiles of output columns.
+
+// x [n] -> q [n] (int8 values held as int16), returns the scale
+inline float quantize_row(const float* x, int64_t n, int16_t* q) {
+  float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float s = std::max(amax, std::numeric_limits<float>::min()) / 127.f;
+  #pragma omp simd
+  for (int64_t i = 0; i < n; ++i) q[i] = raylm::round_to_int8(x[i] / s);
+  return s;
+}
+
+// v rounded to x's dtype T (double -> float -> T, as torch's casts), read back as float
+template <typename T>
+inline float rnd(double v) {
+  return static_cast<float>(static_cast<T>(static_cast<float>(v)));
+}
+
+template <typename T>
+void moe_int8(const Routing& rt, const float* xf, const int8_t* w13, const float* s13, const int8_t* w2,
+              const float* s2, int64_t tokens, int64_t hidden, int64_t inter, const ColumnStore& store) {
+  using raylm::int8::gemv_rows;
+  const int64_t pairs = rt.pairs(), hit = static_cast<int64_t>(rt.hit.size());
+  std::vector<int16_t> xq(tokens * hidden), aq(pairs * inter);
+  std::vector<float> sx(tokens), sa(pairs), act(pairs * inter);
+  at::parallel_for(0, tokens, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) sx[t] = quantize_row(xf + t * hidden, hidden, xq.data() + t * hidden);
+  });
+  // phase 1: act[p, i] = silu(gate_i . x_p) * (up_i . x_p), item = (hit expert, intermediate tile)
+  const int64_t tiles = (inter + kGateTile - 1) / kGateTile;
+  for_each_item(hit * tiles, [&](int64_t item) {
+    thread_local std::vector<int32_t> scratch;
+    thread_local std::vector<const int16_t*> rows;
+    scratch.resize(2 * kTokenChunk * kGateTile);
+    rows.resize(kTokenChunk);
+    int32_t* g = scratch.data();
+    int32_t* u = g + kTokenChunk * kGateTile;
+    const int64_t e = rt.hit[item / tiles], i0 = (item % tiles) * kGateTile;
+    const int64_t ni = std::min(kGateTile, inter - i0);
+    const int8_t* gate = w13 + (e * 2 * inter + i0) * hidden;
+    const float* sg = s13 + e * 2 * inter + i0;
+    const float* su = sg + inter;
+    for (int64_t p0 = rt.offsets[e]; p0 < rt.offsets[e + 1]; p0 += kTokenChunk) {
+      const int64_t m = std::min(kTokenChunk, rt.offsets[e + 1] - p0);
+      for (int64_t n = 0; n < m; ++n) rows[n] = xq.data() + rt.token[p0 + n] * hidden;
+      gemv_rows(gate, ni, hidden, rows.data(), m, g, kGateTile);
+      gemv_rows(gate + inter * hidden, ni, hidden, rows.data(), m, u, kGateTile);
+      for (int64_t n = 0; n < m; ++n) {
+        const double s = sx[rt.token[p0 + n]];
+        float* a = act.data() + (p0 + n) * inter + i0;
+        for (int64_t i = 0; i < ni; ++i) {
+          const float gv = rnd<T>(g[n * kGateTile + i] * s * sg[i]), uv = rnd<T>(u[n * kGateTile + i] * s * su[i]);
+          a[i] = rnd<T>(rnd<T>(gv / (1.f + raylm::fast_exp(-gv))) * uv);
+        }
+      }
+    }
+  });
+  at::parallel_for(0, pairs, 16, [&](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p) sa[p] = quantize_row(act.data() + p * inter, inter, aq.data() + p * inter);
+  });
+  // phase 2: item = a tile of output columns, owned: over the hit experts in ascending order
+  const int64_t threads = at::get_num_threads();
+  int64_t cols = 64;
+  while (cols > raylm::int8::RB && hidden / cols < 4 * threads) cols /= 2;
+  const int64_t col_tiles = (hidden + cols - 1) / cols;
+  for_each_item(col_tiles, [&](int64_t item) {
+    thread_local std::vector<float> sums;
+    thread_local std::vector<int32_t> y;
+    thread_local std::vector<const int16_t*> rows;
+    sums.assign(tokens * cols, 0.f);
+    y.resize(kTokenChunk * cols);
+    rows.resize(kTokenChunk);
+    const int64_t h0 = item * cols, nh = std::min(cols, hidden - h0);
+    for (const int64_t e : rt.hit) {
+      const int8_t* down = w2 + (e * hidden + h0) * inter;
+      const float* sd = s2 + e * hidden + h0;
+      for (int64_t p0 = rt.offsets[e]; p0 < rt.offsets[e + 1]; p0 += kTokenChunk) {
+        const int64_t m = std::min(kTokenChunk, rt.offsets[e + 1] - p0);
+        for (int64_t n = 0; n < m; ++n) rows[n] = aq.data() + (p0 + n) * inter;
+        gemv_rows(down, nh, inter, rows.data(), m, y.data(), cols);
+        for (int64_t n = 0; n < m; ++n) {
+          const int64_t p = p0 + n;
+          const double s = sa[p];
+          const float wt = rt.weight[p];
+          float* sum = sums.data() + rt.token[p] * cols;
+          for (int64_t c = 0; c < nh; ++c) sum[c] += rnd<T>(wt * rnd<T>(y[n * cols + c] * s * sd[c]));
+        }
+      }
+    }
+    store(h0, nh, sums.data(), cols);
+  });
+}
+
+// out [T, hidden] = the int8 experts' weighted sum: w13 int8 [E, 2I, hidden] with s13 fp32 [E, 2I], w2 int8
+// [E, hidden, I] with s2 fp32 [E, hidden] (one scale per output channel)
+void fused_moe_int8(at::Tensor out, at::Tensor x, at::Tensor w13, at::Tensor s13, at::Tensor w2, at::Tensor s2,
+                    at::Tensor topk_ids, at::Tensor topk_weights, int64_t first_expert) {
+  check_args(out, x, w13, w2, topk_ids, topk_weights);
+  TORCH_CHECK(w13.scalar_type() == at::kChar, "int8 experts must be int8, got ", w13.scalar_type());
+  const int64_t E = w13.size(0), inter = w2.size(2), hidden = x.size(1);
+  TORCH_CHECK(s13.scalar_type() == at::kFloat && s13.is_contiguous() && s13.dim() == 2 && s13.size(0) == E &&
+                  s13.size(1) == 2 * inter && s2.scalar_type() == at::kFloat && s2.is_contiguous() &&
+                  s2.dim() == 2 && s2.size(0) == E && s2.size(1) == hidden,
+              "scales must be contiguous float32 [E, 2I] (gate/up) and [E, hidden] (down)");
+  const auto xt = x.scalar_type();
+  TORCH_CHECK(xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf,
+              "x must be float32, bfloat16 or float16, got ", xt);
+  const Routing rt(topk_ids, topk_weights, first_expert, E);
+  const int64_t T = x.size(0);
+  if (T == 0) return;
+  const at::Tensor xs = x.to(at::kFloat).contiguous();
+  const auto store = column_store(out);
+  const auto args = std::make_tuple(xs.data_ptr<float>(), w13.data_ptr<int8_t>(), s13.data_ptr<float>(),
+                                    w2.data_ptr<int8_t>(), s2.data_ptr<float>());
+  auto run = [&](auto tag) {
+    using Tx = decltype(tag);
+    std::apply([&](auto... a) { moe_int8<Tx>(rt, a..., T, hidden, inter, store); }, args);
+  };
+  if (xt == at::kFloat) return run(float{});
+  if (xt == at::kBFloat16) return run(c10::BFloat16{});
+  run(c10::Half{});
+}
+
+std::string fused_moe_int8_isa() { return raylm::int8::kIsa; }
+
 // a layer's experts [E, rows, K] -> their panels [E, ceil(rows / NR), K, NR]
 at::Tensor fused_moe_pack(at::Tensor w) {
   TORCH_CHECK(w.dim() == 3, "fused_moe_pack takes [E, rows, K] experts");
@@ -392,6 +529,9 @@ TORCH_LIBRARY_FRAGMENT(raylm, m) {
         "int first_expert, int inter) -> ()");
   m.def("fused_moe_pack(Tensor w) -> Tensor");
   m.def("fused_moe_isa() -> str", &fused_moe_isa);
+  m.def("fused_moe_int8(Tensor(a!) out, Tensor x, Tensor w13, Tensor s13, Tensor w2, Tensor s2, Tensor topk_ids, "
+        "Tensor topk_weights, int first_expert) -> ()");
+  m.def("fused_moe_int8_isa() -> str", &fused_moe_int8_isa);
 }
 
 TORCH_LIBRARY_IMPL(raylm, CPU, m) {
@@ -399,4 +539,5 @@ TORCH_LIBRARY_IMPL(raylm, CPU, m) {
   m.impl("fused_moe_mm", &fused_moe_mm);
   m.impl("fused_moe_packed", &fused_moe_packed);
   m.impl("fused_moe_pack", &fused_moe_pack);
+  m.impl("fused_moe_int8", &fused_moe_int8);
 }

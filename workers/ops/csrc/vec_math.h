@@ -59,4 +59,14 @@ inline float fast_exp(float x) {
   return y * scale;
 }
 
+// round half to even, then to int8's range, in a form that vectorizes (libm's nearbyint is a call
+// per element): v limited to [-256, 256] (beyond, the result clamps the same), then 1.5 * 2^23 added
+// and taken away, which rounds to an integer in the current (nearest-even) mode
+inline int8_t round_to_int8(float v) {
+  constexpr float kMagic = 12582912.f;
+  v = std::min(256.f, std::max(-256.f, v));
+  const float r = (v + kMagic) - kMagic;
+  return static_cast<int8_t>(static_cast<int>(std::min(127.f, std::max(-128.f, r))));
+}
+
 }  // namespace raylm
