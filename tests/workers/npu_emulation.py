@@ -12,12 +12,14 @@ golden tests): npu_dynamic_quant's per-row scale max |x| / 127 and round(x / sca
 npu_quantize (div_mode=False) round(x * scales + zero_points) in fp32, round half to even, then
 clamped to int8; npu_quant_matmul's exact int32 sums, + an int32 bias, then x the scale (an int64
 one from npu_trans_quant_param read back as its fp32 bits, which that op truncates to the high 19
-as the hardware does) and the per-token scale in fp32, cast to output_dtype last;
+as the hardware does) and the per-token scale in fp32, cast to output_dtype last, and npu_grouped_matmul's
+int8 case likewise per group (its per-channel scale fp32 for float16 outputs, bfloat16 for bfloat16 ones);
 npu_convert_weight_to_int4pack's 8 int4 per int32, element 8i + j in bits 4j..4j+3;
 npu_weight_quant_batchmatmul's (weight + antiquant_offset) * antiquant_scale per group, the weight
 so dequantized rounded to x's dtype, fp32 sums. Where the documented dtype combinations differ
 between torch_npu releases, the stricter is enforced (npu_quantize's scales in the input's dtype;
-a float16 npu_quant_matmul without per-token scales takes only the int64 scale).
+a float16 npu_quant_matmul without per-token scales takes only the int64 scale; a bfloat16 output of
+npu_grouped_matmul's int8 x only a bfloat16 scale, as the A2/A3 tables say, where 910_95's take fp32 too).
 
 What a real op leaves undefined the emulation fills with NaN (init_routing_v2's rows past
 the pairs it kept, npu_grouped_matmul's rows past its groups), so a table that reads them
@@ -356,14 +358,19 @@ def build(emu: EmulatedNpu, without: tuple[str, ...] = ()) -> tuple[types.Module
         tokens = counts if expert_tokens_num_type == 1 else counts.cumsum(0)
         return expanded_x, expanded_row_idx, tokens.to(torch.int64), torch.full((n * k,), float("nan"))
 
-    gmm_unemulated = ("bias", "scale", "offset", "antiquant_scale", "antiquant_offset", "per_token_scale",
-                      "activation_input", "activation_quant_scale", "activation_quant_offset", "tuning_config")
+    gmm_unemulated = ("bias", "offset", "antiquant_scale", "antiquant_offset", "activation_input",
+                      "activation_quant_scale", "activation_quant_offset", "tuning_config")
+    # int8 x and weight with per-channel (and per-token) scales, A2/A3: the scale dtype each output dtype takes
+    gmm_int8_scale = {torch.float16: torch.float32, torch.bfloat16: torch.bfloat16}
 
     @op
-    def npu_grouped_matmul(x, weight, *, group_list=None, split_item=0, group_type=None, group_list_type=0, act_type=0,
-                           output_dtype=None, **rest):
+    def npu_grouped_matmul(x, weight, *, scale=None, per_token_scale=None, group_list=None, split_item=0,
+                           group_type=None, group_list_type=0, act_type=0, output_dtype=None, **rest):
         """y_g = x_g @ weight_g for consecutive row groups of one x over one [E, K, N] weight (the single-tensor,
-        m-axis grouped case), -> [y [M, N]]. Rows past the groups' total are not written (NaN here)."""
+        m-axis grouped case), -> [y [M, N]]. Rows past the groups' total are not written (NaN here).
+        Float x and weight: fp32 sums, in x's dtype. Int8 x and weight (W8A8): the exact int32 sums x scale[g]
+        (one per output channel, [E, N]) [x per_token_scale, one per row, [M]] in fp32, cast to output_dtype:
+        float16 with fp32 scales, bfloat16 with bfloat16 ones (the A2/A3 combinations)."""
         name = "npu_grouped_matmul"
         unknown = set(rest) - set(gmm_unemulated)
         _need(not unknown, f"{name}: unexpected arguments {sorted(unknown)}")
@@ -377,13 +384,38 @@ def build(emu: EmulatedNpu, without: tuple[str, ...] = ()) -> tuple[types.Module
         _need(a.dim() == 2 and w.dim() == 3, f"{name}: x [M, K] and weight [E, K, N] expected, got "
               f"{tuple(a.shape)} and {tuple(w.shape)}")
         _need(a.is_contiguous(), f"{name}: x may not be transposed")
-        _need(a.dtype == w.dtype and a.dtype in FLOATS, f"{name}: x and weight must share a float16/bfloat16/float32 "
-              f"dtype, got {a.dtype} and {w.dtype}")
-        _need(output_dtype in (None, a.dtype), f"{name}: output_dtype {output_dtype} differs from x's {a.dtype}")
+        quantized = torch.int8 in (a.dtype, w.dtype)
+        if quantized:
+            _need(a.dtype == w.dtype, f"{name}: int8 x takes an int8 weight and an int8 weight an int8 x (a float "
+                  f"x over int8 weights is the antiquant case, not emulated), got {a.dtype} and {w.dtype}")
+            _need(output_dtype in gmm_int8_scale, f"{name}: only float16/bfloat16 output of int8 x is emulated (None "
+                  f"is int8 output, with an int64 scale), got {output_dtype}")
+        else:
+            _need(a.dtype == w.dtype and a.dtype in FLOATS, f"{name}: x and weight must share a "
+                  f"float16/bfloat16/float32 dtype, got {a.dtype} and {w.dtype}")
+            _need(output_dtype in (None, a.dtype), f"{name}: output_dtype {output_dtype} differs from x's {a.dtype}")
+            _need(scale is None and per_token_scale is None, f"{name}: scale / per_token_scale dequantize int8 x; "
+                  f"with {a.dtype} x they are not emulated")
         _need(a.shape[1] == w.shape[1], f"{name}: x's K {a.shape[1]} differs from the weight's {w.shape[1]} "
               f"(the weight is [E, in, out])")
         _need(max(w.shape[1], w.shape[2]) < 65536, f"{name}: inner dims must be < 65536")
-        groups = w.shape[0]
+        groups, n = w.shape[0], w.shape[2]
+        if quantized:
+            want = gmm_int8_scale[output_dtype]
+            _need(isinstance(scale, (list, tuple)) and len(scale) == 1 and isinstance(scale[0], torch.Tensor),
+                  f"{name}: int8 x with {output_dtype} output needs scale, a list of one tensor as weight is, got "
+                  f"{type(scale).__name__}")
+            s = scale[0]
+            _need(tuple(s.shape) == (groups, n), f"{name}: scale must be [E, N] = [{groups}, {n}] (per output "
+                  f"channel of each group), got {tuple(s.shape)}")
+            _need(s.dtype == want, f"{name}: int8 x with {output_dtype} output takes a {want} scale, got {s.dtype}")
+            pts = None
+            if per_token_scale is not None:
+                _need(isinstance(per_token_scale, (list, tuple)) and len(per_token_scale) == 1,
+                      f"{name}: per_token_scale is a list of one tensor as x is")
+                pts = per_token_scale[0]
+                _need(pts.dtype == torch.float32 and tuple(pts.shape) == (a.shape[0],),
+                      f"{name}: per_token_scale must be fp32 [M={a.shape[0]}], got {pts.dtype} {tuple(pts.shape)}")
         _need(isinstance(group_list, torch.Tensor) and group_list.dtype == torch.int64
               and group_list.shape == (groups,), f"{name}: group_list must be an int64 tensor [E={groups}], got "
               f"{getattr(group_list, 'dtype', type(group_list))} {tuple(getattr(group_list, 'shape', ()))}")
@@ -399,10 +431,16 @@ def build(emu: EmulatedNpu, without: tuple[str, ...] = ()) -> tuple[types.Module
             _need(bool((ends[1:] >= ends[:-1]).all()), f"{name}: a cumsum group_list must be non-decreasing")
         ends = ends.tolist()
         _need(ends[-1] <= a.shape[0], f"{name}: the groups hold {ends[-1]} rows, x only {a.shape[0]}")
-        y = torch.full((a.shape[0], w.shape[2]), float("nan"), dtype=a.dtype)
+        y = torch.full((a.shape[0], n), float("nan"), dtype=output_dtype if quantized else a.dtype)
         start = 0
         for g, end in enumerate(ends):
-            y[start:end] = (a[start:end].float() @ w[g].float()).to(a.dtype)
+            if quantized:
+                acc = a[start:end].to(torch.int64) @ w[g].to(torch.int64)
+                _need(bool((acc.abs() < 2 ** 31).all()), f"{name}: int32 sums overflow")
+                v = acc.float() * s[g].float()
+                y[start:end] = (v if pts is None else v * pts[start:end, None]).to(output_dtype)
+            else:
+                y[start:end] = (a[start:end].float() @ w[g].float()).to(a.dtype)
             start = end
         return [y]
 

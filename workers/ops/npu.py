@@ -16,6 +16,12 @@
   (pairs sorted by expert, only this rank's `active_expert_range`, per-expert counts),
   `npu_grouped_matmul` twice around `npu_swiglu` over the experts laid out [E, in, out] once
   in `prepare_moe`, and `npu_moe_token_unpermute` (the weighted sum back to token order).
+  Int8 experts (W8A8 dynamic, msmodelslim's W8A8_DYNAMIC, laid out so once in
+  `prepare_quantized_moe`) take the same steps, each grouped matmul's input quantized per token
+  first as vllm-ascend does: `npu_dynamic_quant` (int8 rows, fp32 per-token scales), then
+  `npu_grouped_matmul` with scale=[the per-channel scales [E, out]] (fp32 for float16 outputs,
+  bfloat16 for bfloat16 ones: the combinations the A2/A3 op takes), per_token_scale and
+  output_dtype = the activations' dtype.
 - Quantized linears (workers/quant), as vllm-ascend runs them, the int8 weight laid out [in, out]
   once in `prepare_quantized_linear` (the weight's own tensor becomes a transposed view of it):
   W8A8 dynamic: `npu_dynamic_quant` (int8 rows, fp32 per-token scales) then `npu_quant_matmul`
@@ -40,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workers.block_sizes import check_npu_block_size
-from workers.ops.base import AttentionBackend, AttentionMetadata, MoEWeights, OpTable, QuantLinear
+from workers.ops.base import AttentionBackend, AttentionMetadata, Int8MoEWeights, MoEWeights, OpTable, QuantLinear
 from workers.quant.weights import Int4Weight, Int8Weight, reference_linear
 
 MASK_SIZE = 2048  # sparse_mode 3 reads the causal mask compressed to this square
@@ -80,6 +86,27 @@ class NpuMoEWeights(MoEWeights):
 
     gate_up: torch.Tensor | None = None
     down: torch.Tensor | None = None
+
+
+@dataclass
+class NpuInt8MoEWeights(Int8MoEWeights):
+    """One layer's int8 experts (W8A8 dynamic) as the NPU table computes with them: `gate_up_int8`
+    [num_local, hidden, 2I] and `down_int8` [num_local, I, hidden], laid out once by
+    prepare_quantized_moe as NpuMoEWeights' are (w13 / w2 become transposed views of them: the int8
+    values are held once; Int8MoEWeights' gate_up(e) / down(e) still read them), and `scales`: per
+    activation dtype, the (w13, w2) per-channel scales [num_local, out] in the dtype the grouped
+    matmul takes for that output (fp32 for float16, bfloat16 for bfloat16; the fp32 ones are
+    w13_scale / w2_scale themselves). Expert parallelism as NpuMoEWeights."""
+
+    gate_up_int8: torch.Tensor | None = None
+    down_int8: torch.Tensor | None = None
+    scales: dict | None = None
+
+
+def _moe_scale_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The per-channel scale dtype npu_grouped_matmul takes with per-token int8 inputs and `dtype` outputs
+    (A2/A3: float32 scales for float16 outputs, bfloat16 scales for bfloat16 ones)."""
+    return torch.float32 if dtype == torch.float16 else torch.bfloat16
 
 
 @dataclass
@@ -249,13 +276,37 @@ class NpuOpTable(OpTable):
         w13.data, w2.data = gate_up.transpose(1, 2), down.transpose(1, 2)  # the same shapes, one storage each
         return NpuMoEWeights(w13, w2, first_expert, num_experts, gate_up=gate_up, down=down)
 
+    def prepare_quantized_moe(self, experts: Int8MoEWeights, dtype=None) -> NpuInt8MoEWeights:
+        """Int8 experts laid out [E, in, out] once, as prepare_moe lays out float ones (the model's int8
+        parameters become transposed views: held once, a second call copies nothing); the scales the
+        grouped matmul takes for `dtype` outputs are made here (the fp32 ones are the experts' own),
+        those of another dtype on its first call."""
+        if dtype is not None:
+            check_npu_dtype(dtype)
+        w13, w2 = experts.w13, experts.w2
+        if w13.dtype != torch.int8 or w2.dtype != torch.int8:
+            raise ValueError(f"int8 MoE experts must be int8, got {w13.dtype} and {w2.dtype}")
+        gate_up = w13.detach().transpose(1, 2).contiguous()  # [E, hidden, 2I]
+        down = w2.detach().transpose(1, 2).contiguous()  # [E, I, hidden]
+        w13.data, w2.data = gate_up.transpose(1, 2), down.transpose(1, 2)
+        s13, s2 = experts.w13_scale.float().contiguous(), experts.w2_scale.float().contiguous()
+
+        def scales(dt):  # [E, 2I], [E, hidden] in the dtype the op takes with dt outputs
+            sd = _moe_scale_dtype(dt)
+            return s13.to(sd), s2.to(sd)
+        self.quant_paths = self.quant_paths | {"moe-w8a8-dynamic:npu_grouped_matmul"}
+        return NpuInt8MoEWeights(w13, w2, experts.first_expert, experts.num_experts, experts.w13_scale,
+                                 experts.w2_scale, gate_up_int8=gate_up, down_int8=down, scales=_ByDtype(scales, dtype))
+
     def fused_moe(self, x, router_logits, experts: MoEWeights, top_k, renormalize):
-        """Route, permute, two grouped matmuls around SwiGLU, unpermute; see `NpuMoEWeights` for
-        how the pairs routed to experts held elsewhere (expert parallelism) add nothing."""
+        """Route, permute, two grouped matmuls around SwiGLU, unpermute; int8 experts quantize each
+        grouped matmul's input per token first. See `NpuMoEWeights` for how the pairs routed to experts
+        held elsewhere (expert parallelism) add nothing."""
         check_npu_dtype(x.dtype)
-        if not isinstance(experts, NpuMoEWeights):
-            raise TypeError("fused_moe takes the handle NpuOpTable.prepare_moe returned")
-        if experts.gate_up.dtype != x.dtype:
+        quantized = isinstance(experts, NpuInt8MoEWeights)
+        if not quantized and not isinstance(experts, NpuMoEWeights):
+            raise TypeError("fused_moe takes the handle NpuOpTable.prepare_moe or prepare_quantized_moe returned")
+        if not quantized and experts.gate_up.dtype != x.dtype:
             raise ValueError(f"MoE experts are {experts.gate_up.dtype} but the activations {x.dtype}: "
                              f"the grouped matmul takes one dtype")
         t = x.shape[0]
@@ -277,9 +328,13 @@ class NpuOpTable(OpTable):
         # a count group_list may not have length 1; one expert's cumsum is the same number
         group_list_type = 1 if num_local > 1 else 0
         gmm = dict(group_list=counts, group_list_type=group_list_type, group_type=0, split_item=2)
-        h = npu.npu_grouped_matmul(x=[rows], weight=[experts.gate_up], **gmm)[0]  # [pairs, 2I]
+        if quantized:
+            (gate_up, down), (s13, s2) = (experts.gate_up_int8, experts.down_int8), experts.scales[x.dtype]
+        else:
+            gate_up, down, s13, s2 = experts.gate_up, experts.down, None, None
+        h = _grouped_matmul(npu, rows, gate_up, s13, gmm)  # [pairs, 2I]
         h = npu.npu_swiglu(h, dim=-1)
-        h = npu.npu_grouped_matmul(x=[h], weight=[experts.down], **gmm)[0]  # [pairs, H]
+        h = _grouped_matmul(npu, h, down, s2, gmm)  # [pairs, H]
         if num_local < experts.num_experts:  # expert parallelism: some pairs were not kept
             kept = torch.arange(pairs, device=x.device) < counts.sum()
             h = torch.where(kept[:, None], h, 0)  # the rows past the kept pairs are undefined: zero them
@@ -344,6 +399,18 @@ class NpuOpTable(OpTable):
             return npu.npu_weight_quant_batchmatmul(x, packed, antiquant_scale=scale, antiquant_offset=offset,
                                                     antiquant_group_size=group)
         return self._quantized("npu_weight_quant_batchmatmul", run, w, bias)
+
+
+def _grouped_matmul(npu, h: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, gmm: dict) -> torch.Tensor:
+    """One grouped matmul of the routed rows h [pairs, in] over the experts [E, in, out] -> [pairs, out]
+    in h's dtype. Float experts (scale None) multiply h as it is; int8 ones (W8A8 dynamic) take h
+    quantized per token (int8 rows, fp32 per-token scales), the int32 sums dequantized by the
+    per-channel `scale` [E, out] and the per-token scales."""
+    if scale is None:
+        return npu.npu_grouped_matmul(x=[h], weight=[weight], **gmm)[0]
+    hq, h_scale = npu.npu_dynamic_quant(h)
+    return npu.npu_grouped_matmul(x=[hq], weight=[weight], scale=[scale], per_token_scale=[h_scale],
+                                  output_dtype=h.dtype, **gmm)[0]
 
 
 class _ByDtype(dict):
