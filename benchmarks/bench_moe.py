@@ -8,7 +8,9 @@ larger than the caches, all threads), then per compute dtype (fp32 activations o
 experts, and bf16 over bf16) and token count, each path's milliseconds per layer (median) and the
 bytes of expert weights it had to read (hit experts only) per second, and which path the table's
 own measurement picks (fp32 activations: the bf16 experts packed at prepare, "cpp-packed", the
-only path the table then has; "cpp" is timed on the unpacked experts for comparison). Each rep
+only path the table then has; "cpp" is timed on the unpacked experts for comparison), and
+"cpp-int8", the same layers quantized W8A8 (int8 experts, activations quantized per token; its
+GB/s counts int8 bytes). Each rep
 runs the next of `--layers` layers with fresh random routing (a trained router's is close to
 random), as a model's steps do: one layer's experts alone can sit in a large last-level cache and
 would report its bandwidth, not memory's. A script, not a test.
@@ -23,9 +25,10 @@ import time
 import torch
 
 from workers.ops import cpu_kernels, cpu_moe
-from workers.ops.base import route_tokens
+from workers.ops.base import Int8MoEWeights, MoEWeights, route_tokens
 from workers.ops.cpu_features import cpu_class, cpu_flags
 from workers.ops.cpu_moe import CPUMoE
+from workers.quant.weights import quantize_int8
 
 E, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 SHOWN_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
@@ -55,13 +58,20 @@ def _path_seconds(moe: CPUMoE, path: str, batches, layers) -> list[float]:
     return times
 
 
+def _int8(layer: MoEWeights) -> Int8MoEWeights:
+    """A layer's experts quantized W8A8 (per output channel), as quantization="int8" does at load."""
+    w13, w2 = quantize_int8(layer.w13), quantize_int8(layer.w2)
+    return Int8MoEWeights(w13.qweight, w2.qweight, layer.first_expert, layer.num_experts, w13.scale, w2.scale)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--tokens", default="1,8,64,256", help="token counts, comma separated (1024 is slow on 2 cores)")
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--layers", type=int, default=4, help="layers rotated through (1.2 GB of experts each)")
-    ap.add_argument("--paths", default="cpp-packed,cpp,aten-mm,grouped-mm", help="paths to time (reference: slow)")
+    ap.add_argument("--paths", default="cpp-packed,cpp,aten-mm,grouped-mm,cpp-int8",
+                    help="paths to time (reference: slow)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -77,6 +87,7 @@ def main() -> None:
                           (torch.randn(E, HIDDEN, INTER, generator=gen) * INTER ** -0.5).bfloat16(), 0, E)
               for _ in range(a.layers)]
     packed = [moe.prepare(layer.w13, layer.w2, 0, E, dtype=torch.float32) for layer in layers]  # cpp-packed's
+    int8 = [_int8(layer) for layer in layers] if "cpp-int8" in a.paths else []
     bytes_per_expert = (layers[0].w13[0].numel() + layers[0].w2[0].numel()) * layers[0].w13.element_size()
     paths = a.paths.split(",")
     print(f"# layer: {E} experts, top-{TOP_K}, hidden {HIDDEN}, intermediate {INTER}, bf16 experts "
@@ -91,13 +102,14 @@ def main() -> None:
             cells = []
             with torch.inference_mode():
                 for path in paths:
-                    held = packed if path == "cpp-packed" else layers
+                    held = {"cpp-packed": packed, "cpp-int8": int8}.get(path, layers)
                     unfit = path not in moe.candidates(batches[0][0], held[0]) and path != "reference"
                     if unfit or (path == "cpp-packed" and dtype != torch.float32):
                         cells.append(f"{'-':>14} {'-':>6}")
                         continue
                     times = _path_seconds(moe, path, batches, held)[1:]  # the first: warm-up
-                    gbps = sum(hits[1:]) * bytes_per_expert / sum(times) / 1e9
+                    width = held[0].w13.element_size() / layers[0].w13.element_size()
+                    gbps = sum(hits[1:]) * bytes_per_expert * width / sum(times) / 1e9
                     cells.append(f"{statistics.median(times) * 1e3:14.2f} {gbps:6.1f}")
                 cpu_moe._chosen.clear()
                 chosen = moe.choose(*batches[0], (packed if dtype == torch.float32 else layers)[0], TOP_K, True)
