@@ -9,8 +9,12 @@
 - `quant_model_description.json` beside the weights (msmodelslim, as vllm-ascend reads it):
   `model_quant_type` W8A8 (static per-tensor activations) or W8A8_DYNAMIC, and per weight
   `W8A8`, `W8A8_DYNAMIC` or `FLOAT` (left unquantized).
-- `quantization="int8"` on an unquantized checkpoint: every decoder linear quantized at load
-  (per output channel; activations per token at run time), as vLLM's online quantization.
+- `quantization="int8"` on an unquantized checkpoint: every decoder linear and MoE expert quantized
+  at load (per output channel; activations per token at run time), as vLLM's online quantization.
+
+A Qwen3-MoE layer's experts are quantized when the format says so for their per-expert names
+(`mlp.experts.N.gate_proj`, ...): all of a layer's experts in one scheme, W8A8 with dynamic
+activations (workers/quant/linear.py refuses the others by name).
 
 Anything else fails at start with an error naming the field and its value: nothing runs
 dequantized in full precision in place of a format raylm does not serve.
