@@ -103,8 +103,8 @@ class ModelRunner:
         with torch.no_grad():
             # weights fused / packed once; one the table copied is not held twice (a caller's model stays whole)
             self.model.prepare(self.ops, logits_rows=self.vocab_size, release=not given)
-        if self._narrow_embedding is not None:  # a tied one, now that the lm_head holds its own copy
-            self.model.store_embedding(self._narrow_embedding)
+        # a tied embedding, now that the lm_head holds its own copy: freed where that copy serves its lookups
+        self.model.store_embedding(self._narrow_embedding or self.model.model.embed_tokens.weight.dtype)
         self.max_model_len = config.max_model_len or mc.max_model_len
         if self.max_model_len > mc.max_model_len:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "

@@ -418,9 +418,7 @@ class Qwen3ForCausalLM(nn.Module):
             if parts is None:
                 return None
             return out.copy_(torch.cat(parts, dim=1)[:, : out.shape[1]])
-        if out.dtype == h.dtype:
-            return p.ops.linear_into(h, p.lm, out)
-        return out.copy_(p.ops.linear(h, p.lm)[:, : out.shape[1]])
+        return p.ops.linear_into(h, p.lm, out)
 
     def greedy_ids(self, hidden: torch.Tensor, vocab: int) -> torch.Tensor | None:
         """hidden [B, hidden] -> the argmax of each row's logits over the first `vocab` ids, int64

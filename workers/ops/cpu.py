@@ -10,7 +10,10 @@ with benchmarks/bench_gemm.py --packed (figures in docs/benchmarks.md):
   weight's bytes (kept beside the weight), so it runs only when asked for;
 - bf16 on AVX512-BF16 / AMX: "onednn-packed" as for fp32: oneDNN's bf16 inner product
   (AMX tiles where the CPU has them) over weights reordered once; F.linear reaches the same
-  kernels but reorders the weight on every call (1.2-1.7x at 16-64 rows, measured on an AMX Xeon);
+  kernels but reorders the weight on every call (1.2-1.7x at 16-64 rows, measured on an AMX Xeon).
+  With AMX, a big weight is instead packed in raylm's own layout ("amx-bf16", workers/ops/cpu_amx.py)
+  where that measures as fast at every batch size: the lm_head, whose rows a tied embedding's lookups
+  then read, and whose greedy argmax is fused;
 - fp16, and bf16 elsewhere: "aten" (F.linear).
 RAYLM_CPU_LINEAR=aten|mkl-packed|onednn-packed overrides the choice; mkl-packed falls back to aten where
 the op is absent. An fp32 weight whose values are all bf16 values (a bf16 checkpoint computing in
@@ -37,7 +40,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from workers.ops import cpu_kernels
+from workers.ops import cpu_amx, cpu_kernels
 from workers.ops.base import QuantLinear
 from workers.ops.cpu_attention import make_cpu_attention
 from workers.ops.cpu_features import cpu_class, has_mkl_packed_linear, has_onednn_packed_linear
@@ -106,6 +109,7 @@ class CPUOps(ReferenceOps):
         self.fused = fused_elementwise_kernels()
         self.moe = CPUMoE()
         self.narrow_rows: dict[tuple[int, int], int] = {}  # per weight shape: what choose_rows measured
+        self.amx_wins: dict[tuple[int, int], bool] = {}  # per bf16 weight shape: what cpu_amx.faster measured
         self.int8 = Int8Paths(self.fused)
         self.int4 = Int4Paths()
 
@@ -155,6 +159,8 @@ class CPUOps(ReferenceOps):
         return out
 
     def prepare_linear(self, weight, bias=None):
+        if linear_path(weight.dtype) == "onednn-packed" and cpu_amx.qualifies(cpu_kernels.load(), weight):
+            return self._amx_or_wide(weight, bias)
         narrow = self._narrow_copy(weight)
         rows = None if narrow is None else forced_rows()
         if rows is None and narrow is not None:
@@ -169,6 +175,19 @@ class CPUOps(ReferenceOps):
             return self._narrow(None, narrow, weight, bias, ALL)  # the wide copy made to measure is dropped
         self.linear_paths.add(linear_path(weight.dtype))
         return handle if narrow is None or rows == 0 else self._narrow(handle, narrow, weight, bias, rows)
+
+    def _amx_or_wide(self, weight, bias):
+        """A bf16 weight in raylm's AMX packing, or oneDNN's, whichever measured faster for its shape
+        (cpu_amx.py); one copy either way."""
+        kernels, shape = cpu_kernels.load(), tuple(weight.shape)
+        handle = cpu_amx.pack(kernels, weight, bias)
+        if cpu_amx.forced() != "all" and shape not in self.amx_wins:
+            self.amx_wins[shape] = cpu_amx.faster(kernels, self.linear, self._wide(weight, bias), handle)
+        if cpu_amx.forced() == "all" or self.amx_wins[shape]:
+            self.linear_paths.add("amx-bf16")
+            return handle
+        self.linear_paths.add(linear_path(weight.dtype))
+        return self._wide(weight, bias)
 
     def _wide(self, weight, bias):
         """weight prepared for the library GEMM of its dtype on this CPU."""
@@ -194,6 +213,8 @@ class CPUOps(ReferenceOps):
     def linear(self, x, handle):
         if isinstance(handle, QuantLinear):
             return handle(x)
+        if isinstance(handle, cpu_amx.AMXWeight):
+            return cpu_amx.linear(cpu_kernels.load(), x, handle)
         if isinstance(handle, NarrowWeight):
             if handle.takes(x):
                 return narrow_linear(cpu_kernels.load(), x, handle)
@@ -208,6 +229,8 @@ class CPUOps(ReferenceOps):
         return F.linear(x, weight, bias)
 
     def linear_argmax(self, x, handle, n):
+        if isinstance(handle, cpu_amx.AMXWeight) and handle.bias is None and x.dim() == 2:
+            return cpu_kernels.load().amx_linear_argmax(x.contiguous(), handle.packed, n)
         if isinstance(handle, NarrowWeight) and handle.bias is None and x.dim() == 2 and handle.takes(x):
             return cpu_kernels.load().narrow_linear_argmax(x.contiguous(), handle.narrow, n)
         kernels = cpu_kernels.load()
@@ -216,6 +239,11 @@ class CPUOps(ReferenceOps):
         return kernels.argmax_rows(self.linear(x, handle), n)  # logits, then raylm's argmax over them
 
     def linear_rows(self, handle, ids, out):
+        if isinstance(handle, cpu_amx.AMXWeight):
+            if out.dtype not in (torch.bfloat16, torch.float32) or out.stride(1) != 1:
+                return None
+            cpu_kernels.load().amx_rows(out, handle.packed, ids)
+            return out
         if isinstance(handle, NarrowWeight):
             if handle.wide is not None or out.dtype != torch.float32 or out.stride(1) != 1:
                 return None
@@ -224,6 +252,11 @@ class CPUOps(ReferenceOps):
         return super().linear_rows(handle, ids, out)
 
     def linear_into(self, x, handle, out):
+        if isinstance(handle, cpu_amx.AMXWeight):
+            if x.dim() == 2 and out.dtype in (torch.bfloat16, torch.float32) and out.stride(1) == 1 \
+                    and handle.bias is None:
+                return cpu_amx.linear(cpu_kernels.load(), x, handle, out)
+            return out.copy_(self.linear(x, handle)[:, : out.shape[1]])
         if isinstance(handle, NarrowWeight):
             if handle.takes(x) and x.dim() == 2 and out.dtype == torch.float32 and out.stride(1) == 1:
                 return narrow_linear(cpu_kernels.load(), x, handle, out)

@@ -1,0 +1,164 @@
+"""The CPU table's bf16 linear in raylm's own AMX packing: its products are the bf16 linear's (fp32
+sums rounded once), its argmax is the argmax of those, rows read back are the weight's rows, and a
+tied bf16 model computing in bf16 holds its embedding once, generating the reference's tokens.
+Runs only where the CPU has AMX-BF16 (and the kernels built)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.ops import cpu_amx, cpu_kernels, get_op_table
+
+pytestmark = pytest.mark.skipif(not cpu_amx.available(cpu_kernels.load()),
+                                reason="this CPU has no AMX-BF16 (or raylm's kernels did not build)")
+
+
+@pytest.fixture
+def amx_all(monkeypatch):
+    monkeypatch.setenv(cpu_amx.ENV, "all")
+
+
+def bf16_linear(x, weight, bias=None):
+    """The bf16 linear's products: exact sums (float64), rounded to bf16 once (then the bias, in bf16)."""
+    y = F.linear(x.double(), weight.double()).bfloat16()
+    return y if bias is None else y + bias
+
+
+def assert_bf16_close(got, want):
+    """Within a bf16 rounding of the exact sum: fp32 sums taken in another order may round to the
+    neighbouring bf16 value."""
+    scale = want.double().abs().max().item() if want.numel() else 0.0
+    torch.testing.assert_close(got.double(), want.double(), rtol=2 ** -7, atol=scale * 2 ** -12)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_products_are_the_bf16_linears(amx_all, bias):
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(301, 4096, generator=gen).bfloat16()  # rows not a whole pair of blocks; long rows
+    b = torch.randn(301, generator=gen).bfloat16() if bias else None
+    ops = get_op_table("cpu", "cpu")
+    handle = ops.prepare_linear(weight, b)
+    assert isinstance(handle, cpu_amx.AMXWeight)
+    assert "amx-bf16" in ops.describe()["linear"].split(",")
+    for rows in (0, 1, 5, 16, 17, 33, 300):  # tile row blocks part-filled, and past a block of x's rows
+        x = torch.randn(rows, 4096, generator=gen).bfloat16()
+        want = bf16_linear(x, weight, b)
+        got = ops.linear(x, handle)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 301)
+        assert_bf16_close(got, want)
+        assert torch.equal(ops.linear(x.view(1, rows, 4096), handle), got.view(1, rows, 301))
+        out = torch.full((rows, 320), 7.0)
+        ops.linear_into(x, handle, out[:, :250])  # the first 250 rows of the weight, widened, into a wider buffer
+        assert torch.equal(out[:, :250], got[:, :250].float())
+        assert (out[:, 250:] == 7.0).all()
+
+
+def test_greedy_ids_are_the_argmax_of_the_bf16_products(amx_all):
+    """Each row's argmax over the first n outputs, ties to the lowest index and a NaN row to 0, as
+    torch.argmax, across weight blocks split among threads."""
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(1000, 64, generator=gen).bfloat16()
+    weight[700] = weight[3]  # logits tie in every row: the lower index must win
+    weight[900] = weight[3]
+    ops = get_op_table("cpu", "cpu")
+    handle = ops.prepare_linear(weight)
+    assert isinstance(handle, cpu_amx.AMXWeight)
+    for rows in (1, 5, 16, 40, 300):
+        x = torch.randn(rows, 64, generator=gen).bfloat16()
+        x[0] = weight[3] * 50  # row 0's largest logit is the tied one, at 3, 700 and 900
+        if rows > 1:
+            x[1, 5] = float("nan")
+        for n in (1000, 950, 701, 17):  # the vocab trimmed: ids past n never win
+            want = ops.linear(x, handle)[:, :n].float().argmax(dim=-1)
+            got = ops.linear_argmax(x, handle, n)
+            assert got.dtype == torch.int64 and torch.equal(got, want), (rows, n)
+        assert ops.linear_argmax(x, handle, 1000)[0] == 3
+        if rows > 1:
+            assert ops.linear_argmax(x, handle, 1000)[1] == 0
+    with pytest.raises(RuntimeError, match="n must be in"):
+        cpu_kernels.load().amx_linear_argmax(x, handle.packed, 2000)
+
+
+def test_rows_read_back_are_the_weights_rows(amx_all):
+    weight = torch.randn(301, 96, generator=torch.Generator().manual_seed(3)).bfloat16()
+    ops = get_op_table("cpu", "cpu")
+    handle = ops.prepare_linear(weight)
+    ids = torch.tensor([0, 7, 15, 16, 31, 32, 300, 7])  # within and across blocks, the last (partial) block, repeats
+    for dtype in (torch.bfloat16, torch.float32):
+        out = torch.full((len(ids), 96), 5.0, dtype=dtype)
+        assert ops.linear_rows(handle, ids, out) is out
+        assert torch.equal(out, weight[ids].to(dtype))
+    with pytest.raises(RuntimeError, match="id 320 is outside w's 320 rows"):
+        ops.linear_rows(handle, torch.tensor([320]), torch.empty(1, 96, dtype=torch.bfloat16))
+
+
+def test_only_bf16_weights_the_kernel_takes_qualify(monkeypatch):
+    kernels = cpu_kernels.load()
+    monkeypatch.setenv(cpu_amx.ENV, "all")
+    assert cpu_amx.qualifies(kernels, torch.zeros(8, 64, dtype=torch.bfloat16))
+    assert not cpu_amx.qualifies(kernels, torch.zeros(8, 64))  # fp32: the narrow / library paths
+    assert not cpu_amx.qualifies(kernels, torch.zeros(8, 48, dtype=torch.bfloat16))  # not whole tiles wide
+    monkeypatch.delenv(cpu_amx.ENV)
+    assert not cpu_amx.qualifies(kernels, torch.zeros(8, 64, dtype=torch.bfloat16))  # too small to measure
+    monkeypatch.setenv(cpu_amx.ENV, "off")
+    assert not cpu_amx.qualifies(kernels, torch.zeros(4096, 1024, dtype=torch.bfloat16))
+    monkeypatch.setenv(cpu_amx.ENV, "some")
+    with pytest.raises(ValueError, match="RAYLM_CPU_AMX_LINEAR must be 'off' or 'all', got 'some'"):
+        get_op_table("cpu", "cpu").prepare_linear(torch.zeros(8, 64, dtype=torch.bfloat16))
+
+
+def test_the_measured_choice_is_made_once_per_shape_and_holds_one_copy(monkeypatch):
+    monkeypatch.setattr(cpu_amx, "NARROW_MIN_ELEMENTS", 1)
+    monkeypatch.delenv(cpu_amx.ENV, raising=False)
+    ops = get_op_table("cpu", "cpu")
+    weight = torch.randn(512, 256).bfloat16()
+    first = ops.prepare_linear(weight)
+    x = torch.randn(3, 256).bfloat16()
+    assert_bf16_close(ops.linear(x, first), bf16_linear(x, weight))
+    monkeypatch.setattr(cpu_amx, "faster", lambda *a: pytest.fail("measured the same shape twice"))
+    again = ops.prepare_linear(torch.randn(512, 256).bfloat16())
+    assert type(again) is type(first)
+    chosen = "amx-bf16" if isinstance(first, cpu_amx.AMXWeight) else "onednn-packed"
+    assert ops.describe()["linear"] == chosen  # one path, one copy: never both for a weight
+
+
+def test_a_tied_bf16_model_computing_in_bf16_holds_its_embedding_once(amx_all, tmp_path):
+    """The lm_head in raylm's packing, the tied embedding it was prepared from is freed and lookups
+    read the packed rows: the checkpoint's bytes, each matrix once; greedy tokens the reference
+    table's (the same bf16 model computed by plain torch ops), sampled through the fused argmax."""
+    import shutil
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.plans import PlanDriver
+    from workers.loader import bundled_model_path
+    from workers.runner import ModelRunner
+    from workers.runner_config import RunnerConfig
+
+    src = bundled_model_path()
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    assert hf.config.tie_word_embeddings
+    hf.save_pretrained(tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{src}/{f}", tmp_path / f)
+    stored = sum(t.nbytes for t in load_file(str(tmp_path / "model.safetensors")).values())
+
+    def runner(ops):
+        return ModelRunner(RunnerConfig(model=str(tmp_path), ops=ops, dtype="bfloat16", block_size=4,
+                                        num_kv_blocks=64, max_num_seqs=4))
+
+    fast = runner("cpu")
+    stats = fast.stats()
+    assert stats["dtype"] == "bfloat16" and "amx-bf16" in stats["ops"]["linear"].split(",")
+    assert stats["weight_bytes"] <= 1.05 * stored  # the embedding is not held beside the lm_head's copy
+    outputs = []
+    for r in (fast, runner("reference")):
+        driver = PlanDriver(r)
+        driver.add([5, 100, 200, 7, 7, 9])
+        driver.add([11, 12])
+        outputs.append(driver.generate(12))
+    assert outputs[0] == outputs[1]
+    assert fast.stats()["lm_head_argmax_steps"] > 0

@@ -1,0 +1,90 @@
+"""bf16 weights on AMX tiles in raylm's own packing (csrc/amx_linear.cpp), where a CPU has AMX-BF16.
+
+oneDNN's bf16 inner product runs the same tiles over weights reordered into its own, opaque layout.
+raylm's layout is known, so rows can be read back from it: a tied embedding's lookups are served by
+the lm_head's packed copy and the embedding is freed (one 151,936 x hidden table instead of two). The
+kernel also folds greedy sampling into the lm_head (each row's argmax as the tiles' sums come out, no
+[B, V] logits written). Its products equal oneDNN's bit for bit on the shapes measured (both sum
+each 32-wide slice of K in a tile, then the slices in order), but it is tuned for decode sizes: at
+prefill sizes (2,048 rows) oneDNN's GEMM is faster on a layer's shapes.
+
+Which runs is measured once per weight shape when the weights are prepared (the probes of
+cpu_narrow.py): raylm's packing serves a weight only where it is never slower than oneDNN's by more
+than TOLERANCE at any probe (on the machines measured: the lm_head, not a layer's projections), and then
+alone: one copy either way. RAYLM_CPU_AMX_LINEAR=off turns it off; =all uses it for every bf16 weight
+it can take (any size).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from workers.ops.cpu_narrow import NARROW_MIN_ELEMENTS, PROBE_MAX_MACS, best_of
+
+ENV = "RAYLM_CPU_AMX_LINEAR"
+TILE_K = 32  # the kernel takes widths that are a multiple of a tile's 32 columns
+PROBE_ROWS = (1, 16, 64, 256, 2048)  # decode to a prefill chunk
+# how much slower than oneDNN's GEMM raylm's packing may measure at any probe and still serve (it holds
+# one copy either way: what it buys is the lm_head's fused argmax and a tied embedding held once)
+TOLERANCE = 1.1
+
+
+class AMXWeight:
+    """A bf16 weight [out, in] packed for raylm's AMX kernel (the only copy of it)."""
+
+    def __init__(self, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> None:
+        self.packed, self.out_features, self.bias = packed, out_features, bias
+
+
+def forced() -> str | None:
+    """None: measure; "off" or "all" (RAYLM_CPU_AMX_LINEAR)."""
+    raw = os.environ.get(ENV)
+    if raw is not None and raw not in ("off", "all"):
+        raise ValueError(f"{ENV} must be 'off' or 'all', got {raw!r}")
+    return raw
+
+
+def available(kernels) -> bool:
+    return kernels is not None and bool(kernels.amx_linear_available())
+
+
+def qualifies(kernels, weight: torch.Tensor) -> bool:
+    """A bf16 2-d weight the kernel can take, big enough to be worth measuring (any size when forced)."""
+    mode = forced()
+    if mode == "off" or weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % TILE_K:
+        return False
+    return available(kernels) and (mode == "all" or weight.numel() >= NARROW_MIN_ELEMENTS)
+
+
+def pack(kernels, weight: torch.Tensor, bias: torch.Tensor | None) -> AMXWeight:
+    return AMXWeight(kernels.amx_pack(weight), weight.shape[0], bias)
+
+
+def linear(kernels, x: torch.Tensor, handle: AMXWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] (bf16) -> [..., out] (bf16), or into `out` (2-d x: out's columns, bf16 or fp32)."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    y = out if out is not None else torch.empty(x2.shape[0], handle.out_features, dtype=torch.bfloat16)
+    kernels.amx_linear(y, x2, handle.packed)
+    if handle.bias is not None:
+        y += handle.bias[: y.shape[1]]
+    return y if out is not None or x.dim() == 2 else y.view(*x.shape[:-1], handle.out_features)
+
+
+def faster(kernels, wide_linear, wide, handle: AMXWeight) -> bool:
+    """Whether raylm's packing measured no slower than TOLERANCE x the library GEMM at every probe
+    (each the best of three calls after a warm one, of five more where it lost by more)."""
+    out_features, in_features = handle.out_features, handle.packed.shape[1] * 2
+    for rows in PROBE_ROWS:
+        if rows > 1 and rows * out_features * in_features > PROBE_MAX_MACS:
+            break
+        x = torch.randn(rows, in_features).to(torch.bfloat16)
+        mine = best_of(lambda: linear(kernels, x, handle), runs=3)  # noqa: B023 (called at once)
+        theirs = best_of(lambda: wide_linear(x, wide), runs=3)  # noqa: B023
+        if mine > theirs * TOLERANCE:  # timed again before it decides: a busy moment of the host is not the kernel
+            mine = min(mine, best_of(lambda: linear(kernels, x, handle), runs=5))  # noqa: B023
+            theirs = min(theirs, best_of(lambda: wide_linear(x, wide), runs=5))  # noqa: B023
+        if mine > theirs * TOLERANCE:
+            return False
+    return True

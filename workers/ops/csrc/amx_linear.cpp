@@ -1,0 +1,368 @@
+// A bf16 linear on AMX tiles: y [m, rows] = x [m, K] @ w [rows, K]^T, x and w bf16, fp32 sums
+// rounded to bf16 once (as oneDNN's bf16 inner product rounds its output).
+//
+// The weight is packed once (amx_pack) into the layout AMX's TDPBF16PS reads for its second operand:
+// [blocks of 16 rows, K / 2 pairs, 16 rows x 2 values], so a 16-row x 32-column tile of w is 1 KiB in one
+// piece, and the blocks follow each other in memory as a thread streams them. Since the layout is
+// raylm's own, rows can be read back from it (amx_rows): a tied embedding's lookups are served by the
+// lm_head's packed copy, held once, where oneDNN's packed copy is opaque and the embedding had to be
+// kept beside it.
+//
+// Work: threads take pairs of 16-row blocks of w; for each, every 32 rows of x (16 where one block is
+// left) run the K loop with 2 x 2 accumulator tiles, and the tiles' sums go through a small fp32 buffer
+// to y, rounded, or (amx_linear_argmax) straight into each row's best: the [m, rows] logits are never
+// written when only greedy ids leave the step. Bound by reading w at decode sizes, the weight pairs are
+// prefetched one pair ahead.
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#include "vec_math.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define RAYLM_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+constexpr int64_t TN = 16;  // rows of w a block takes (a tile's columns of output)
+constexpr int64_t TK = 32;  // columns of x and w a tile takes (16 pairs)
+#ifndef AMX_XBLOCK_BYTES_
+#define AMX_XBLOCK_BYTES_ (512 * 1024)
+#endif
+constexpr int64_t XBLOCK_BYTES = AMX_XBLOCK_BYTES_;  // x a block of rows may take (a quarter of a 2 MiB L2)
+
+#ifdef RAYLM_AMX
+
+// Linux hands AMX's tile data state to a process only when asked (arch_prctl ARCH_REQ_XCOMP_PERM,
+// XFEATURE_XTILEDATA); oneDNN asks too, so this is a no-op once it has.
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Eight 16 x 64-byte tiles: 0-3 the sums (row block i, weight block j at 2i + j), 4-5 x, 6-7 w.
+void configure_tiles() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = 16;
+  }
+  _tile_loadconfig(&c);
+}
+
+// Sums of MT row blocks of x (16 rows each, starting at x0, row stride ldx elements) against the weight
+// blocks b0 and b1 over K, into out [16 * MT, 32] (fp32). next: the following pair, prefetched.
+template <int MT>
+inline void tile_pair(const uint16_t* x0, int64_t ldx, const uint16_t* b0, const uint16_t* b1, int64_t K,
+                      float* out, const char* next, int64_t next_bytes) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (MT == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const int64_t steps = K / TK;
+  const int64_t ahead = next ? (next_bytes + steps - 1) / steps : 0;  // bytes of the next pair per step
+  for (int64_t s = 0; s < steps; ++s) {
+    if (next)
+      for (int64_t b = s * ahead; b < std::min(next_bytes, (s + 1) * ahead); b += 64)
+        _mm_prefetch(next + b, _MM_HINT_T1);
+    _tile_loadd(4, x0 + s * TK, ldx * 2);
+    _tile_loadd(6, b0 + s * TK * TN, 64);
+    _tile_loadd(7, b1 + s * TK * TN, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (MT == 2) {
+      _tile_loadd(5, x0 + 16 * ldx + s * TK, ldx * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, out, 2 * TN * 4);
+  _tile_stored(1, out + TN, 2 * TN * 4);
+  if (MT == 2) {
+    _tile_stored(2, out + 16 * 2 * TN, 2 * TN * 4);
+    _tile_stored(3, out + 16 * 2 * TN + TN, 2 * TN * 4);
+  }
+}
+
+// Each row's best (value, index) so far, ties to the lowest index and NaN above all, as torch.argmax
+struct Best {
+  std::vector<float> value;
+  std::vector<int64_t> index;  // -1: nothing seen yet
+
+  explicit Best(int64_t m) : value(m, 0.f), index(m, -1) {}
+
+  void offer(int64_t i, float v, int64_t j) {
+    const float b = value[i];
+    if (index[i] < 0 || v > b || (v != v && b == b)) {
+      value[i] = v;
+      index[i] = j;
+    }
+  }
+};
+
+// 16 sums rounded to bf16 (nearest even, as torch's conversion), and widened back to fp32 exactly
+inline __m256i round16(const float* s) { return (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s)); }
+inline __m512 widen16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+// A row's 32 (cols of them valid) rounded sums offered to its best: one vector max unless one of them
+// could win, a scalar pass where it can or any is NaN.
+inline void offer_row(Best& best, int64_t i, const float* s, int64_t cols, int64_t j0) {
+  const __mmask16 m0 = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 m1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  const __m512 lo = widen16(round16(s)), hi = widen16(round16(s + 16));
+  const __m512 ninf = _mm512_set1_ps(-__builtin_inff());
+  const bool nan = (_mm512_mask_cmp_ps_mask(m0, lo, lo, _CMP_UNORD_Q) | _mm512_mask_cmp_ps_mask(m1, hi, hi, _CMP_UNORD_Q)) != 0;
+  const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(ninf, m0, lo), _mm512_mask_mov_ps(ninf, m1, hi)));
+  if (!nan && best.index[i] >= 0 && !(top > best.value[i])) return;
+  alignas(64) float v[32];
+  _mm512_store_ps(v, lo);
+  _mm512_store_ps(v + 16, hi);
+  for (int64_t j = 0; j < cols; ++j) best.offer(i, v[j], j0 + j);
+}
+
+// x's rows padded with zeros to a multiple of 16 (the tiles' rows), or x itself where they are.
+struct PaddedX {
+  at::Tensor held;
+  const uint16_t* data;
+  int64_t ld, m, mp;
+
+  explicit PaddedX(const at::Tensor& x) : m(x.size(0)), mp((x.size(0) + 15) / 16 * 16) {
+    if (mp == m) {
+      data = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+      ld = x.stride(0);
+      return;
+    }
+    held = at::zeros({mp, x.size(1)}, x.options());
+    held.narrow(0, 0, m).copy_(x);
+    data = reinterpret_cast<const uint16_t*>(held.data_ptr<at::BFloat16>());
+    ld = x.size(1);
+  }
+};
+
+// For each pair of weight blocks holding any of the first n rows and each row block of x:
+// f(state, pair, i0, mt, sums [16 * mt, 32]), the pairs split among torch's threads, each chunk with its
+// tiles configured and a state of its own (init()), handed to done(first pair, state) at its end.
+template <typename Init, typename F, typename Done>
+void for_each_tile(const PaddedX& x, const at::Tensor& packed, int64_t n, Init&& init, F&& f, Done&& done) {
+  const int64_t K = packed.size(1) * 2, block_elems = K * TN, pair_bytes = 2 * block_elems * 2;
+  const int64_t pairs = std::min<int64_t>(packed.size(0) / 2, (n + 2 * TN - 1) / (2 * TN));
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(64, pairs / at::get_num_threads()));
+  // rows of x a block takes: they stay in L2 while a thread's weight pairs stream past them
+  const int64_t mc = std::max<int64_t>(32, XBLOCK_BYTES / (K * 2) / 32 * 32);
+  at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
+    auto state = init();
+    configure_tiles();
+    alignas(64) float sums[32 * 2 * TN];
+    for (int64_t m0 = 0; m0 < x.mp; m0 += mc) {
+      const int64_t m1 = std::min(x.mp, m0 + mc);
+      for (int64_t p = begin; p < end; ++p) {
+        const uint16_t* b0 = wp + 2 * p * block_elems;
+        const char* next = p + 1 < end ? reinterpret_cast<const char*>(b0 + 2 * block_elems) : nullptr;
+        for (int64_t i0 = m0; i0 < m1; i0 += 32) {
+          // the next pair is prefetched while the first row block runs (later ones find it in L2)
+          const char* pf = i0 == m0 ? next : nullptr;
+          const bool two = i0 + 32 <= m1;
+          if (two)
+            tile_pair<2>(x.data + i0 * x.ld, x.ld, b0, b0 + block_elems, K, sums, pf, pair_bytes);
+          else
+            tile_pair<1>(x.data + i0 * x.ld, x.ld, b0, b0 + block_elems, K, sums, pf, pair_bytes);
+          f(state, p, i0, two ? 2 : 1, sums);
+        }
+      }
+    }
+    _tile_release();
+    done(begin, state);
+  });
+}
+
+void check_operands(const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(amx_permitted(), "this process may not use AMX tiles (arch_prctl refused)");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 2 * TN && packed.size(0) % 2 == 0 && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kBFloat16,
+              "w must be packed by amx_pack");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
+              "x must be a 2-d bfloat16 tensor with contiguous rows");
+  TORCH_CHECK(packed.size(1) * 2 == x.size(1), "w must be packed for x's width");
+}
+
+#endif  // RAYLM_AMX
+
+bool amx_linear_available() {
+#ifdef RAYLM_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// w [rows, K] (bf16, K a multiple of 32) -> [blocks, K / 2, 32]: block b holds rows 16b..16b+15 (zeros past
+// rows; an even number of blocks), pair k of row 16b + j at [b, k, 2j : 2j + 2]
+at::Tensor amx_pack(at::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "amx_pack takes a 2-d bfloat16 weight");
+  const int64_t rows = w.size(0), K = w.size(1);
+  TORCH_CHECK(K % TK == 0, "amx_pack needs a width that is a multiple of ", TK, ", got ", K);
+  const int64_t blocks = (rows + 2 * TN - 1) / (2 * TN) * 2;
+  at::Tensor packed = at::empty({blocks, K / 2, 2 * TN}, w.options());
+  const at::Tensor wc = w.contiguous();
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(wc.data_ptr<at::BFloat16>());  // a pair as one word
+  uint32_t* dst = reinterpret_cast<uint32_t*>(packed.data_ptr<at::BFloat16>());
+  const int64_t pairs = K / 2;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t j = 0; j < TN; ++j) {
+        const int64_t r = b * TN + j;
+        uint32_t* d = dst + b * pairs * TN + j;
+        if (r >= rows) {
+          for (int64_t k = 0; k < pairs; ++k) d[k * TN] = 0;
+          continue;
+        }
+        const uint32_t* s = src + r * pairs;
+        for (int64_t k = 0; k < pairs; ++k) d[k * TN] = s[k];
+      }
+  });
+  return packed;
+}
+
+// y [m, >= n] (bf16 or fp32, contiguous rows): its first n columns = (x @ w^T)[:, :n], rounded to bf16
+void amx_linear(at::Tensor y, at::Tensor x, at::Tensor packed) {
+#ifdef RAYLM_AMX
+  check_operands(x, packed);
+  TORCH_CHECK(y.dim() == 2 && y.stride(1) == 1 && y.size(0) == x.size(0) &&
+                  (y.scalar_type() == at::kBFloat16 || y.scalar_type() == at::kFloat),
+              "y must be a bfloat16 or float32 [x rows, n] tensor with contiguous rows");
+  const int64_t n = std::min<int64_t>(y.size(1), packed.size(0) * TN);
+  if (x.size(0) == 0 || n == 0) return;
+  const PaddedX px(x);
+  const int64_t ldy = y.stride(0), m = x.size(0);
+  const bool wide = y.scalar_type() == at::kFloat;
+  char* yp = static_cast<char*>(y.data_ptr());
+  for_each_tile(
+      px, packed, n, [] { return 0; },
+      [&](int, int64_t p, int64_t i0, int mt, const float* sums) {
+        const int64_t j0 = p * 2 * TN, cols = std::min<int64_t>(2 * TN, n - j0);
+        for (int64_t i = i0; i < std::min(m, i0 + 16 * mt); ++i) {
+          const float* s = sums + (i - i0) * 2 * TN;
+          for (int64_t j = 0; j < cols; j += 16) {
+            const __mmask16 k = cols - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (cols - j)) - 1);
+            const __m256i h = round16(s + j);
+            if (wide)
+              _mm512_mask_storeu_ps(reinterpret_cast<float*>(yp) + i * ldy + j0 + j, k, widen16(h));
+            else
+              _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(yp) + i * ldy + j0 + j, k, h);
+          }
+        }
+      },
+      [](int64_t, int) {});
+#else
+  TORCH_CHECK(false, "raylm's AMX linear was not built for this CPU");
+#endif
+}
+
+// argmax over j < n of the bf16-rounded (x @ w^T)[i, j] for each row i of x (int64 [m])
+at::Tensor amx_linear_argmax(at::Tensor x, at::Tensor packed, int64_t n) {
+#ifdef RAYLM_AMX
+  check_operands(x, packed);
+  TORCH_CHECK(n > 0 && n <= packed.size(0) * TN, "n must be in [1, w rows], got ", n);
+  const int64_t m = x.size(0);
+  at::Tensor ids = at::empty({m}, x.options().dtype(at::kLong));
+  if (m == 0) return ids;
+  const PaddedX px(x);
+  std::mutex mu;
+  std::vector<std::pair<int64_t, Best>> parts;  // each chunk's rows' best, by its first pair
+  for_each_tile(
+      px, packed, n, [m] { return Best(m); },
+      [&](Best& best, int64_t p, int64_t i0, int mt, const float* sums) {
+        const int64_t j0 = p * 2 * TN, cols = std::min<int64_t>(2 * TN, n - j0);
+        for (int64_t i = i0; i < std::min(m, i0 + 16 * mt); ++i) {
+          offer_row(best, i, sums + (i - i0) * 2 * TN, cols, j0);
+        }
+      },
+      [&](int64_t begin, Best& best) {
+        const std::lock_guard<std::mutex> lock(mu);
+        parts.emplace_back(begin, std::move(best));
+      });
+  std::sort(parts.begin(), parts.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  Best all(m);  // chunks in order: a later chunk wins only by a larger value
+  for (const auto& part : parts)
+    for (int64_t i = 0; i < m; ++i)
+      if (part.second.index[i] >= 0) all.offer(i, part.second.value[i], part.second.index[i]);
+  int64_t* out = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < m; ++i) out[i] = all.index[i];
+  return ids;
+#else
+  TORCH_CHECK(false, "raylm's AMX linear was not built for this CPU");
+#endif
+}
+
+// out [T, K] (bf16 or fp32) = rows ids [T] of the packed w (exact: an embedding lookup)
+void amx_rows(at::Tensor out, at::Tensor packed, at::Tensor ids) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 2 * TN && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kBFloat16,
+              "w must be packed by amx_pack");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be a 1-d int64 tensor");
+  const int64_t pairs = packed.size(1), K = pairs * 2, rows = packed.size(0) * TN, T = ids.size(0);
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) == T && out.size(1) == K &&
+                  (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat),
+              "out must be bfloat16 or float32 [ids, w's width] with contiguous rows");
+  const at::Tensor idc = ids.contiguous();
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < rows, "id ", ip[t], " is outside w's ", rows, " rows");
+  const uint32_t* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
+  const bool wide = out.scalar_type() == at::kFloat;
+  const int64_t ldo = out.stride(0);
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint32_t* src = wp + (ip[t] / TN) * pairs * TN + ip[t] % TN;
+      if (wide) {
+        float* o = out.data_ptr<float>() + t * ldo;
+        for (int64_t k = 0; k < pairs; ++k) {
+          const uint32_t v = src[k * TN];
+          o[2 * k] = raylm::BF16::widen(static_cast<uint16_t>(v & 0xffff));
+          o[2 * k + 1] = raylm::BF16::widen(static_cast<uint16_t>(v >> 16));
+        }
+      } else {
+        uint32_t* o = reinterpret_cast<uint32_t*>(out.data_ptr<at::BFloat16>() + t * ldo);
+        for (int64_t k = 0; k < pairs; ++k) o[k] = src[k * TN];
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(raylm, m) {
+  m.def("amx_linear_available() -> bool", &amx_linear_available);
+  m.def("amx_pack(Tensor w) -> Tensor");
+  m.def("amx_linear(Tensor(a!) y, Tensor x, Tensor w) -> ()");
+  m.def("amx_linear_argmax(Tensor x, Tensor w, int n) -> Tensor");
+  m.def("amx_rows(Tensor(a!) out, Tensor w, Tensor ids) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(raylm, CPU, m) {
+  m.impl("amx_pack", &amx_pack);
+  m.impl("amx_linear", &amx_linear);
+  m.impl("amx_linear_argmax", &amx_linear_argmax);
+  m.impl("amx_rows", &amx_rows);
+}
