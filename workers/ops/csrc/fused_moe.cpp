@@ -386,14 +386,14 @@ void fused_moe_packed(at::Tensor out, at::Tensor x, at::Tensor w13p, at::Tensor 
 // Phases as moe_blocked's: gate/up by (expert, row tile), the activations' quantization by pair, down by
 // owned tiles of output columns.
 
-// x [n] -> q [n] (int8 values held as int16), returns the scale
-inline float quantize_row(const float* x, int64_t n, int16_t* q) {
+// x [n] -> q [n] (int8 values, held as int8_dot.h's kernel reads them), returns the scale
+inline float quantize_row(const float* x, int64_t n, raylm::int8::xq_t* q) {
   float amax = 0.f;
 #pragma omp simd reduction(max : amax)
   for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float s = std::max(amax, std::numeric_limits<float>::min()) / 127.f;
   #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) q[i] = raylm::round_to_int8(x[i] / s);
+  for (int64_t i = 0; i < n; ++i) q[i] = raylm::int8::encode(raylm::round_to_int8(x[i] / s));
   return s;
 }
 
@@ -408,7 +408,7 @@ void moe_int8(const Routing& rt, const float* xf, const int8_t* w13, const float
               const float* s2, int64_t tokens, int64_t hidden, int64_t inter, const ColumnStore& store) {
   using raylm::int8::gemv_rows;
   const int64_t pairs = rt.pairs(), hit = static_cast<int64_t>(rt.hit.size());
-  std::vector<int16_t> xq(tokens * hidden), aq(pairs * inter);
+  std::vector<raylm::int8::xq_t> xq(tokens * hidden), aq(pairs * inter);
   std::vector<float> sx(tokens), sa(pairs), act(pairs * inter);
   at::parallel_for(0, tokens, 1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) sx[t] = quantize_row(xf + t * hidden, hidden, xq.data() + t * hidden);
@@ -417,7 +417,7 @@ void moe_int8(const Routing& rt, const float* xf, const int8_t* w13, const float
   const int64_t tiles = (inter + kGateTile - 1) / kGateTile;
   for_each_item(hit * tiles, [&](int64_t item) {
     thread_local std::vector<int32_t> scratch;
-    thread_local std::vector<const int16_t*> rows;
+    thread_local std::vector<const raylm::int8::xq_t*> rows;
     scratch.resize(2 * kTokenChunk * kGateTile);
     rows.resize(kTokenChunk);
     int32_t* g = scratch.data();
@@ -453,7 +453,7 @@ void moe_int8(const Routing& rt, const float* xf, const int8_t* w13, const float
   for_each_item(col_tiles, [&](int64_t item) {
     thread_local std::vector<float> sums;
     thread_local std::vector<int32_t> y;
-    thread_local std::vector<const int16_t*> rows;
+    thread_local std::vector<const raylm::int8::xq_t*> rows;
     sums.assign(tokens * cols, 0.f);
     y.resize(kTokenChunk * cols);
     rows.resize(kTokenChunk);
