@@ -118,9 +118,12 @@ def _common_prefix(x: list[int], y: list[int]) -> int:
 
 
 def decoder_macs(config, wl) -> int:
-    """Multiply-adds of the decoder's quantized linears (q/k/v, o, gate/up, down) over every token
-    the run computes: each prompt token once, each output token but the last once."""
+    """Multiply-adds of the decoder's quantized linears (q/k/v, o, gate/up, down; a MoE layer's top-k
+    experts) over every token the run computes: each prompt token once, each output token but the last
+    once."""
     h, i = config.hidden_size, config.intermediate_size
+    if getattr(config, "num_experts", 0):  # every layer sparse (Qwen3-MoE's published models)
+        i = config.num_experts_per_tok * config.moe_intermediate_size
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     per_token = h * (q + 2 * kv) + q * h + h * 2 * i + i * h
     tokens = sum(len(p) for p in wl.prompts) + sum(n - 1 for n in wl.output_lens)
