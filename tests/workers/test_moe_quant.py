@@ -23,7 +23,7 @@ from tests.workers.quant_checkpoints import PROJECTIONS, write_compressed_tensor
 from tests.workers.test_quant import TOLERANCE, forward_logits
 from workers.loader import CheckpointError, load_model
 from workers.ops import get_op_table
-from workers.ops.base import Int8MoEWeights
+from workers.ops.base import Int8MoEWeights, route_tokens
 from workers.ops.cpu_kernels import load as load_kernels
 from workers.ops.reference import ReferenceOps
 from workers.quant import QuantConfigError
@@ -215,6 +215,12 @@ def test_cpu_int8_kernel_equals_the_reference(shape, pattern, dtype):
     torch.testing.assert_close(got.float(), want.float(), atol=tol * want.abs().max().item(), rtol=0)
     if shape[0]:
         assert ops.describe()["moe"].endswith(": cpp-int8")
+    # the experts as they lie, row by row (the kernel's layout on CPUs without VNNI's panels)
+    weights, ids = route_tokens(case.router_logits, case.top_k, case.renormalize)
+    rows = torch.empty_like(case.x)
+    load_kernels().fused_moe_int8(rows, case.x, experts.w13, experts.w13_scale, experts.w2, experts.w2_scale,
+                                      ids, weights, experts.first_expert)
+    torch.testing.assert_close(rows.float(), want.float(), atol=tol * want.abs().max().item(), rtol=0)
 
 
 def test_a_forced_reference_path_runs_int8_experts_through_the_reference(monkeypatch):

@@ -278,9 +278,10 @@ class CPUOps(ReferenceOps):
         return self.moe.prepare(w13, w2, first_expert, num_experts, dtype)
 
     def prepare_quantized_moe(self, experts, dtype=None):
-        """int8 experts as they lie: raylm's int8 MoE kernel reads them there (cpu_moe.py)."""
+        """int8 experts for raylm's int8 MoE kernel: repacked in its panels where the CPU has VNNI, else
+        as they lie (cpu_moe.py)."""
         self.quant_paths = self.quant_paths | {f"moe-{experts.gate_up(0).scheme}:{self.moe.int8_path()}"}
-        return experts
+        return self.moe.prepare_int8(experts)
 
     def fused_moe(self, x, router_logits, experts, top_k, renormalize):
         return self.moe.forward(x, router_logits, experts, top_k, renormalize)

@@ -14,10 +14,12 @@ Python:
 - "grouped-mm": torch._grouped_mm (workers/ops/moe_grouped.py), in x's dtype;
 - "reference": the reference table's expert loop (forced only);
 - "cpp-int8": int8 experts (Int8MoEWeights, W8A8 with dynamic activations), raylm's kernel
-  (csrc/fused_moe.cpp's fused_moe_int8 over csrc/int8_dot.h): tokens quantized once, int8 weights
-  read where they lie (a quarter of fp32's bytes) against int16-widened activations, exact int32
-  sums, the reference's rounding steps. The only path for int8 experts besides the reference (no
-  library here runs a grouped int8 GEMM); a float path forced by RAYLM_CPU_MOE leaves them on it.
+  (csrc/fused_moe.cpp's fused_moe_int8 over csrc/int8_dot.h): tokens quantized once, exact int32
+  sums, the reference's rounding steps, int8 weights at a quarter of fp32's bytes. With AVX512-VNNI the
+  experts are repacked once at prepare into panels of 16 rows (PackedInt8MoEWeights: VPDPBUSD adds four
+  columns into 16 rows' sums, no horizontal sum per output); elsewhere they are read where they lie,
+  row by row, against int16-widened activations. The only path for int8 experts besides the reference
+  (no library here runs a grouped int8 GEMM); a float path forced by RAYLM_CPU_MOE leaves them on it.
 
 The fastest depends on the CPU (AMX or not), the dtypes and the tokens per step: decode reads every
 hit expert's weights once and is bound by memory, a large batch is bound by arithmetic, where a GEMM
@@ -72,6 +74,26 @@ class PackedMoEWeights(MoEWeights):
         return self.intermediate
 
 
+class PackedInt8MoEWeights(Int8MoEWeights):
+    """int8 experts packed by the kernels' fused_moe_int8_pack (AVX512-VNNI): w13 [E, 2, Ip, Hp] (gate,
+    up) and w2 [E, 1, Hp', Ip'] in panels of 16 rows, zero-padded, with each row's sum (w13_sum, w2_sum)."""
+
+    def __init__(self, packed13, packed2, experts: Int8MoEWeights) -> None:
+        super().__init__(packed13[0], packed2[0], experts.first_expert, experts.num_experts, experts.w13_scale,
+                         experts.w2_scale)
+        self.w13_sum, self.w2_sum = packed13[1], packed2[1]
+        self.intermediate = experts.intermediate_size
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.intermediate
+
+    def gate_up(self, e: int):
+        raise TypeError("packed int8 experts run on the CPU table's kernel only")
+
+    down = gate_up
+
+
 def bucket(tokens: int) -> str:
     """The label of the token-count bucket `tokens` falls in: 'T<=1', 'T<=8', ..., 'T>1024'."""
     for edge in BUCKETS:
@@ -114,6 +136,14 @@ class CPUMoE:
                                     num_experts, w2.shape[2])
         return MoEWeights(w13.contiguous(), w2.contiguous(), first_expert, num_experts)
 
+    def prepare_int8(self, experts: Int8MoEWeights) -> Int8MoEWeights:
+        """int8 experts repacked into the kernel's panels where it has them (AVX512-VNNI) and its path is
+        the one that runs; else as they lie."""
+        if self.int8_path() != "cpp-int8" or not self.kernels.fused_moe_int8_panels():
+            return experts
+        return PackedInt8MoEWeights(self.kernels.fused_moe_int8_pack(experts.w13, 2),
+                                    self.kernels.fused_moe_int8_pack(experts.w2, 1), experts)
+
     def int8_path(self) -> str:
         """The path int8 experts run: the kernel, else (not built, or forced) the reference."""
         return "cpp-int8" if self.kernels is not None and forced_path() != "reference" else "reference"
@@ -146,6 +176,15 @@ class CPUMoE:
         int8 = isinstance(experts, Int8MoEWeights)
         if (path == "cpp-int8" and not int8) or (int8 and path not in ("cpp-int8", "reference")):
             raise ValueError(f"the MoE path {path!r} does not take {'int8' if int8 else 'float'} experts")
+        if isinstance(experts, PackedInt8MoEWeights):
+            if path != "cpp-int8":
+                raise ValueError(f"these int8 experts are packed for the 'cpp-int8' MoE path, not {path!r}")
+            weights, ids = route_tokens(router_logits, top_k, renormalize)
+            out = torch.empty_like(x)
+            self.kernels.fused_moe_int8_packed(out, x.contiguous(), experts.w13, experts.w13_sum, experts.w13_scale,
+                                               experts.w2, experts.w2_sum, experts.w2_scale, ids, weights,
+                                               experts.first_expert, experts.intermediate_size)
+            return out
         if path == "cpp-int8":
             weights, ids = route_tokens(router_logits, top_k, renormalize)
             out = torch.empty_like(x)

@@ -24,6 +24,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/silu.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -403,15 +404,61 @@ inline float rnd(double v) {
   return static_cast<float>(static_cast<T>(static_cast<float>(v)));
 }
 
-template <typename T>
-void moe_int8(const Routing& rt, const float* xf, const int8_t* w13, const float* s13, const int8_t* w2,
-              const float* s2, int64_t tokens, int64_t hidden, int64_t inter, const ColumnStore& store) {
-  using raylm::int8::gemv_rows;
+// int8 experts as the checkpoint lays them out, [E, rows, K] (int8_dot.h's row-wise dot)
+struct RowInt8 {
+  const int8_t *w13, *w2;
+  int64_t hidden, inter;
+
+  int64_t x_stride() const { return hidden; }
+  int64_t a_stride() const { return inter; }
+  int64_t min_cols() const { return raylm::int8::RB; }
+  void gate_up(int64_t e, int64_t i0, int64_t ni, const raylm::int8::xq_t* const* x, int64_t m, int32_t* g,
+               int32_t* u, int64_t ld) const {
+    const int8_t* gate = w13 + (e * 2 * inter + i0) * hidden;
+    raylm::int8::gemv_rows(gate, ni, hidden, x, m, g, ld);
+    raylm::int8::gemv_rows(gate + inter * hidden, ni, hidden, x, m, u, ld);
+  }
+  void down(int64_t e, int64_t h0, int64_t nh, const raylm::int8::xq_t* const* x, int64_t m, int32_t* y,
+            int64_t ld) const {
+    raylm::int8::gemv_rows(w2 + (e * hidden + h0) * inter, nh, inter, x, m, y, ld);
+  }
+};
+
+#ifdef RAYLM_INT8_VNNI
+// int8 experts packed by fused_moe_int8_pack: w13 [E, 2 (gate, up), Ip, Hp] and w2 [E, 1, Hp2, Ip2] in panels
+// of 16 rows (int8_dot.h), rows and columns padded with zeros to 16 and 4, with each row's sum
+struct PanelInt8 {
+  const int8_t *w13, *w2;
+  const int32_t *sum13, *sum2;
+  int64_t Ip, Hp, Rd, Kd;  // gate/up: Ip rows of Hp columns; down: Rd rows of Kd columns
+
+  int64_t x_stride() const { return Hp; }
+  int64_t a_stride() const { return Kd; }
+  int64_t min_cols() const { return raylm::int8::PR; }
+  void gate_up(int64_t e, int64_t i0, int64_t ni, const raylm::int8::xq_t* const* x, int64_t m, int32_t* g,
+               int32_t* u, int64_t ld) const {
+    for (int part = 0; part < 2; ++part) {
+      const int64_t r0 = (e * 2 + part) * Ip + i0;
+      raylm::int8::panel_rows(w13 + r0 * Hp, ni, Hp / 4, x, m, sum13 + r0, part ? u : g, ld);
+    }
+  }
+  void down(int64_t e, int64_t h0, int64_t nh, const raylm::int8::xq_t* const* x, int64_t m, int32_t* y,
+            int64_t ld) const {
+    const int64_t r0 = e * Rd + h0;
+    raylm::int8::panel_rows(w2 + r0 * Kd, nh, Kd / 4, x, m, sum2 + r0, y, ld);
+  }
+};
+#endif
+
+template <typename T, typename Dots>
+void moe_int8(const Routing& rt, const float* xf, const Dots& d, const float* s13, const float* s2, int64_t tokens,
+              int64_t hidden, int64_t inter, const ColumnStore& store) {
   const int64_t pairs = rt.pairs(), hit = static_cast<int64_t>(rt.hit.size());
-  std::vector<raylm::int8::xq_t> xq(tokens * hidden), aq(pairs * inter);
+  const int64_t xs = d.x_stride(), as = d.a_stride();  // a token's row in xq / aq (padding: int8 zeros)
+  std::vector<raylm::int8::xq_t> xq(tokens * xs, raylm::int8::encode(0)), aq(pairs * as, raylm::int8::encode(0));
   std::vector<float> sx(tokens), sa(pairs), act(pairs * inter);
   at::parallel_for(0, tokens, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) sx[t] = quantize_row(xf + t * hidden, hidden, xq.data() + t * hidden);
+    for (int64_t t = b; t < e; ++t) sx[t] = quantize_row(xf + t * hidden, hidden, xq.data() + t * xs);
   });
   // phase 1: act[p, i] = silu(gate_i . x_p) * (up_i . x_p), item = (hit expert, intermediate tile)
   const int64_t tiles = (inter + kGateTile - 1) / kGateTile;
@@ -424,14 +471,12 @@ void moe_int8(const Routing& rt, const float* xf, const int8_t* w13, const float
     int32_t* u = g + kTokenChunk * kGateTile;
     const int64_t e = rt.hit[item / tiles], i0 = (item % tiles) * kGateTile;
     const int64_t ni = std::min(kGateTile, inter - i0);
-    const int8_t* gate = w13 + (e * 2 * inter + i0) * hidden;
     const float* sg = s13 + e * 2 * inter + i0;
     const float* su = sg + inter;
     for (int64_t p0 = rt.offsets[e]; p0 < rt.offsets[e + 1]; p0 += kTokenChunk) {
       const int64_t m = std::min(kTokenChunk, rt.offsets[e + 1] - p0);
-      for (int64_t n = 0; n < m; ++n) rows[n] = xq.data() + rt.token[p0 + n] * hidden;
-      gemv_rows(gate, ni, hidden, rows.data(), m, g, kGateTile);
-      gemv_rows(gate + inter * hidden, ni, hidden, rows.data(), m, u, kGateTile);
+      for (int64_t n = 0; n < m; ++n) rows[n] = xq.data() + rt.token[p0 + n] * xs;
+      d.gate_up(e, i0, ni, rows.data(), m, g, u, kGateTile);
       for (int64_t n = 0; n < m; ++n) {
         const double s = sx[rt.token[p0 + n]];
         float* a = act.data() + (p0 + n) * inter + i0;
@@ -443,12 +488,12 @@ void moe_int8(const Routing& rt, const float* xf, const int8_t* w13, const float
     }
   });
   at::parallel_for(0, pairs, 16, [&](int64_t b, int64_t e) {
-    for (int64_t p = b; p < e; ++p) sa[p] = quantize_row(act.data() + p * inter, inter, aq.data() + p * inter);
+    for (int64_t p = b; p < e; ++p) sa[p] = quantize_row(act.data() + p * inter, inter, aq.data() + p * as);
   });
   // phase 2: item = a tile of output columns, owned: over the hit experts in ascending order
   const int64_t threads = at::get_num_threads();
   int64_t cols = 64;
-  while (cols > raylm::int8::RB && hidden / cols < 4 * threads) cols /= 2;
+  while (cols > d.min_cols() && hidden / cols < 4 * threads) cols /= 2;
   const int64_t col_tiles = (hidden + cols - 1) / cols;
   for_each_item(col_tiles, [&](int64_t item) {
     thread_local std::vector<float> sums;
@@ -459,12 +504,11 @@ void moe_int8(const Routing& rt, const float* xf, const int8_t* w13, const float
     rows.resize(kTokenChunk);
     const int64_t h0 = item * cols, nh = std::min(cols, hidden - h0);
     for (const int64_t e : rt.hit) {
-      const int8_t* down = w2 + (e * hidden + h0) * inter;
       const float* sd = s2 + e * hidden + h0;
       for (int64_t p0 = rt.offsets[e]; p0 < rt.offsets[e + 1]; p0 += kTokenChunk) {
         const int64_t m = std::min(kTokenChunk, rt.offsets[e + 1] - p0);
-        for (int64_t n = 0; n < m; ++n) rows[n] = aq.data() + (p0 + n) * inter;
-        gemv_rows(down, nh, inter, rows.data(), m, y.data(), cols);
+        for (int64_t n = 0; n < m; ++n) rows[n] = aq.data() + (p0 + n) * as;
+        d.down(e, h0, nh, rows.data(), m, y.data(), cols);
         for (int64_t n = 0; n < m; ++n) {
           const int64_t p = p0 + n;
           const double s = sa[p];
@@ -478,13 +522,8 @@ void moe_int8(const Routing& rt, const float* xf, const int8_t* w13, const float
   });
 }
 
-// out [T, hidden] = the int8 experts' weighted sum: w13 int8 [E, 2I, hidden] with s13 fp32 [E, 2I], w2 int8
-// [E, hidden, I] with s2 fp32 [E, hidden] (one scale per output channel)
-void fused_moe_int8(at::Tensor out, at::Tensor x, at::Tensor w13, at::Tensor s13, at::Tensor w2, at::Tensor s2,
-                    at::Tensor topk_ids, at::Tensor topk_weights, int64_t first_expert) {
-  check_args(out, x, w13, w2, topk_ids, topk_weights);
-  TORCH_CHECK(w13.scalar_type() == at::kChar, "int8 experts must be int8, got ", w13.scalar_type());
-  const int64_t E = w13.size(0), inter = w2.size(2), hidden = x.size(1);
+void check_int8_call(const at::Tensor& x, const at::Tensor& s13, const at::Tensor& s2, int64_t E, int64_t inter,
+                     int64_t hidden) {
   TORCH_CHECK(s13.scalar_type() == at::kFloat && s13.is_contiguous() && s13.dim() == 2 && s13.size(0) == E &&
                   s13.size(1) == 2 * inter && s2.scalar_type() == at::kFloat && s2.is_contiguous() &&
                   s2.dim() == 2 && s2.size(0) == E && s2.size(1) == hidden,
@@ -492,20 +531,106 @@ void fused_moe_int8(at::Tensor out, at::Tensor x, at::Tensor w13, at::Tensor s13
   const auto xt = x.scalar_type();
   TORCH_CHECK(xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf,
               "x must be float32, bfloat16 or float16, got ", xt);
+}
+
+// moe_int8 over the weights `d` in x's dtype, into out
+template <typename Dots>
+void run_int8(at::Tensor& out, const at::Tensor& x, const Dots& d, const at::Tensor& s13, const at::Tensor& s2,
+              const at::Tensor& topk_ids, const at::Tensor& topk_weights, int64_t first_expert, int64_t E,
+              int64_t inter) {
   const Routing rt(topk_ids, topk_weights, first_expert, E);
-  const int64_t T = x.size(0);
+  const int64_t T = x.size(0), hidden = x.size(1);
   if (T == 0) return;
   const at::Tensor xs = x.to(at::kFloat).contiguous();
   const auto store = column_store(out);
-  const auto args = std::make_tuple(xs.data_ptr<float>(), w13.data_ptr<int8_t>(), s13.data_ptr<float>(),
-                                    w2.data_ptr<int8_t>(), s2.data_ptr<float>());
   auto run = [&](auto tag) {
-    using Tx = decltype(tag);
-    std::apply([&](auto... a) { moe_int8<Tx>(rt, a..., T, hidden, inter, store); }, args);
+    moe_int8<decltype(tag)>(rt, xs.data_ptr<float>(), d, s13.data_ptr<float>(), s2.data_ptr<float>(), T, hidden,
+                            inter, store);
   };
+  const auto xt = x.scalar_type();
   if (xt == at::kFloat) return run(float{});
   if (xt == at::kBFloat16) return run(c10::BFloat16{});
   run(c10::Half{});
+}
+
+// out [T, hidden] = the int8 experts' weighted sum: w13 int8 [E, 2I, hidden] with s13 fp32 [E, 2I], w2 int8
+// [E, hidden, I] with s2 fp32 [E, hidden] (one scale per output channel)
+void fused_moe_int8(at::Tensor out, at::Tensor x, at::Tensor w13, at::Tensor s13, at::Tensor w2, at::Tensor s2,
+                    at::Tensor topk_ids, at::Tensor topk_weights, int64_t first_expert) {
+  check_args(out, x, w13, w2, topk_ids, topk_weights);
+  TORCH_CHECK(w13.scalar_type() == at::kChar, "int8 experts must be int8, got ", w13.scalar_type());
+  const int64_t E = w13.size(0), inter = w2.size(2), hidden = x.size(1);
+  check_int8_call(x, s13, s2, E, inter, hidden);
+  const RowInt8 d{w13.data_ptr<int8_t>(), w2.data_ptr<int8_t>(), hidden, inter};
+  run_int8(out, x, d, s13, s2, topk_ids, topk_weights, first_expert, E, inter);
+}
+
+// w [E, rows, K] int8 (parts of rows / parts rows each: gate and up) -> (panels [E, parts, Rp, Kp] int8, row sums
+// [E, parts, Rp] int32): each part's rows padded with zeros to Rp (a multiple of 16) and columns to Kp (of 4),
+// laid out as int8_dot.h's panels ([Rp / 16][Kp / 4][16][4] per part)
+std::tuple<at::Tensor, at::Tensor> fused_moe_int8_pack(at::Tensor w, int64_t parts) {
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kChar && parts >= 1 && w.size(1) % parts == 0,
+              "fused_moe_int8_pack takes int8 [E, rows, K] experts whose rows split into `parts`");
+  const int64_t E = w.size(0), R = w.size(1) / parts, K = w.size(2);
+  const int64_t Rp = (R + 15) / 16 * 16, Kp = (K + 3) / 4 * 4;
+  at::Tensor packed = at::zeros({E, parts, Rp, Kp}, w.options());
+  at::Tensor sums = at::zeros({E, parts, Rp}, w.options().dtype(at::kInt));
+  const at::Tensor wc = w.contiguous();
+  const int8_t* src = wc.data_ptr<int8_t>();
+  int8_t* dst = packed.data_ptr<int8_t>();
+  int32_t* sp = sums.data_ptr<int32_t>();
+  at::parallel_for(0, E * parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t ep = begin; ep < end; ++ep)
+      for (int64_t r = 0; r < R; ++r) {
+        const int8_t* row = src + (ep * R + r) * K;  // part p of expert e: rows e * parts * R + p * R ...
+        int8_t* panel = dst + ep * Rp * Kp + (r / 16) * 16 * Kp + (r % 16) * 4;
+        int32_t total = 0;
+        for (int64_t k = 0; k < K; ++k) {
+          panel[(k / 4) * 64 + k % 4] = row[k];
+          total += row[k];
+        }
+        sp[ep * Rp + r] = total;
+      }
+  });
+  return {packed, sums};
+}
+
+// fused_moe_int8 over experts packed by fused_moe_int8_pack (w13 with parts=2, w2 with parts=1); inter: I
+void fused_moe_int8_packed(at::Tensor out, at::Tensor x, at::Tensor w13, at::Tensor sum13, at::Tensor s13,
+                           at::Tensor w2, at::Tensor sum2, at::Tensor s2, at::Tensor topk_ids, at::Tensor topk_weights,
+                           int64_t first_expert, int64_t inter) {
+#ifdef RAYLM_INT8_VNNI
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, hidden]");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(),
+              "out must be contiguous, shaped and typed like x");
+  const int64_t E = w13.size(0), hidden = x.size(1);
+  TORCH_CHECK(w13.dim() == 4 && w13.size(1) == 2 && w13.size(2) % 16 == 0 && w13.size(2) >= inter &&
+                  w13.size(3) % 4 == 0 && w13.size(3) >= hidden && w13.scalar_type() == at::kChar &&
+                  w13.is_contiguous() && w2.dim() == 4 && w2.size(0) == E && w2.size(1) == 1 &&
+                  w2.size(2) % 16 == 0 && w2.size(2) >= hidden && w2.size(3) % 4 == 0 && w2.size(3) >= inter &&
+                  w2.scalar_type() == at::kChar && w2.is_contiguous(),
+              "w13 and w2 must be packed by fused_moe_int8_pack for this x and intermediate size");
+  TORCH_CHECK(sum13.scalar_type() == at::kInt && sum13.is_contiguous() && sum13.numel() == E * 2 * w13.size(2) &&
+                  sum2.scalar_type() == at::kInt && sum2.is_contiguous() && sum2.numel() == E * w2.size(2),
+              "row sums must be fused_moe_int8_pack's");
+  TORCH_CHECK(topk_ids.scalar_type() == at::kLong && topk_ids.dim() == 2 && topk_ids.size(0) == x.size(0) &&
+                  topk_weights.sizes() == topk_ids.sizes(),
+              "topk_ids must be int64 [T, k] and topk_weights [T, k]");
+  check_int8_call(x, s13, s2, E, inter, hidden);
+  const PanelInt8 d{w13.data_ptr<int8_t>(), w2.data_ptr<int8_t>(), sum13.data_ptr<int32_t>(), sum2.data_ptr<int32_t>(),
+                    w13.size(2), w13.size(3), w2.size(2), w2.size(3)};
+  run_int8(out, x, d, s13, s2, topk_ids, topk_weights, first_expert, E, inter);
+#else
+  TORCH_CHECK(false, "packed int8 experts need AVX512-VNNI, which this build has not");
+#endif
+}
+
+bool fused_moe_int8_panels() {
+#ifdef RAYLM_INT8_VNNI
+  return true;
+#else
+  return false;
+#endif
 }
 
 std::string fused_moe_int8_isa() { return raylm::int8::kIsa; }
@@ -532,6 +657,10 @@ TORCH_LIBRARY_FRAGMENT(raylm, m) {
   m.def("fused_moe_int8(Tensor(a!) out, Tensor x, Tensor w13, Tensor s13, Tensor w2, Tensor s2, Tensor topk_ids, "
         "Tensor topk_weights, int first_expert) -> ()");
   m.def("fused_moe_int8_isa() -> str", &fused_moe_int8_isa);
+  m.def("fused_moe_int8_panels() -> bool", &fused_moe_int8_panels);
+  m.def("fused_moe_int8_pack(Tensor w, int parts) -> (Tensor, Tensor)");
+  m.def("fused_moe_int8_packed(Tensor(a!) out, Tensor x, Tensor w13, Tensor sum13, Tensor s13, Tensor w2, "
+        "Tensor sum2, Tensor s2, Tensor topk_ids, Tensor topk_weights, int first_expert, int inter) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(raylm, CPU, m) {
@@ -540,4 +669,6 @@ TORCH_LIBRARY_IMPL(raylm, CPU, m) {
   m.impl("fused_moe_packed", &fused_moe_packed);
   m.impl("fused_moe_pack", &fused_moe_pack);
   m.impl("fused_moe_int8", &fused_moe_int8);
+  m.impl("fused_moe_int8_pack", &fused_moe_int8_pack);
+  m.impl("fused_moe_int8_packed", &fused_moe_int8_packed);
 }

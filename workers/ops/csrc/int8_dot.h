@@ -161,4 +161,72 @@ inline void gemv_rows(const int8_t* w, int64_t rows, int64_t K, const xq_t* cons
       dot_rows<1>(std::min<int64_t>(NB, m - n), w + r * K, K, x + n, y + n * ldy + r, ldy);
 }
 
+#ifdef RAYLM_INT8_VNNI
+// -- panels: int8 weights packed in blocks of 16 rows, four columns of each row side by side ([K / 4][16][4]
+// bytes a block, AMX-INT8's layout for its second operand), so one VPDPBUSD adds 4 columns' products into 16
+// rows' sums at once: no horizontal sum per (row, token), which the row-wise dot pays at every output.
+constexpr int64_t PR = 16;  // rows a panel holds
+
+// out[n * ldo + 16p + j] for the P panels from w (each `stride` bytes on) and N tokens (rows of x, 4-byte
+// aligned groups of columns), minus 128 x the row sums `wsum` (the tokens' +128). `valid`: rows of the
+// last panel to store.
+template <int P, int N>
+inline void panel_block(const int8_t* w, int64_t stride, int64_t Kq, const xq_t* const* x, const int32_t* wsum,
+                        int32_t* out, int64_t ldo, int64_t valid) {
+  vi acc[P][N];
+#pragma GCC unroll 8
+  for (int p = 0; p < P; ++p)
+#pragma GCC unroll 8
+    for (int n = 0; n < N; ++n) acc[p][n] = vzero();
+  for (int64_t q = 0; q < Kq; ++q) {
+    vi wv[P];
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) wv[p] = _mm512_loadu_si512(w + p * stride + q * 64);
+#pragma GCC unroll 8
+    for (int n = 0; n < N; ++n) {
+      int32_t four;
+      __builtin_memcpy(&four, x[n] + 4 * q, 4);
+      const vi xb = _mm512_set1_epi32(four);
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) acc[p][n] = vdot(acc[p][n], wv[p], xb);
+    }
+  }
+#pragma GCC unroll 8
+  for (int p = 0; p < P; ++p) {
+    const vi bias = _mm512_slli_epi32(_mm512_loadu_si512(wsum + p * PR), 7);
+    const __mmask16 mask = p + 1 < P || valid >= PR ? 0xffff : static_cast<__mmask16>((1u << valid) - 1);
+#pragma GCC unroll 8
+    for (int n = 0; n < N; ++n) _mm512_mask_storeu_epi32(out + n * ldo + p * PR, mask, _mm512_sub_epi32(acc[p][n], bias));
+  }
+}
+
+template <int P>
+inline void panel_tokens(int64_t n, const int8_t* w, int64_t stride, int64_t Kq, const xq_t* const* x,
+                         const int32_t* wsum, int32_t* out, int64_t ldo, int64_t valid) {
+  if (n == 4) return panel_block<P, 4>(w, stride, Kq, x, wsum, out, ldo, valid);
+  if (n == 3) return panel_block<P, 3>(w, stride, Kq, x, wsum, out, ldo, valid);
+  if (n == 2) return panel_block<P, 2>(w, stride, Kq, x, wsum, out, ldo, valid);
+  panel_block<P, 1>(w, stride, Kq, x, wsum, out, ldo, valid);
+}
+
+// y[n * ldy + r] = row r . x[n] for `rows` rows starting at a panel (w: its first byte; Kq groups of four
+// columns; wsum: the rows' sums) and m tokens: four panels at a time, four tokens a pass
+inline void panel_rows(const int8_t* w, int64_t rows, int64_t Kq, const xq_t* const* x, int64_t m,
+                       const int32_t* wsum, int32_t* y, int64_t ldy) {
+  const int64_t stride = Kq * 64, panels = (rows + PR - 1) / PR;
+  for (int64_t p = 0; p < panels; p += 4) {
+    const int64_t np = std::min<int64_t>(4, panels - p), valid = rows - (p + np - 1) * PR;
+    for (int64_t n = 0; n < m; n += 4) {
+      const int64_t nt = std::min<int64_t>(4, m - n);
+      const int8_t* wp = w + p * stride;
+      int32_t* yp = y + n * ldy + p * PR;
+      if (np == 4) panel_tokens<4>(nt, wp, stride, Kq, x + n, wsum + p * PR, yp, ldy, valid);
+      else if (np == 3) panel_tokens<3>(nt, wp, stride, Kq, x + n, wsum + p * PR, yp, ldy, valid);
+      else if (np == 2) panel_tokens<2>(nt, wp, stride, Kq, x + n, wsum + p * PR, yp, ldy, valid);
+      else panel_tokens<1>(nt, wp, stride, Kq, x + n, wsum + p * PR, yp, ldy, valid);
+    }
+  }
+}
+#endif  // RAYLM_INT8_VNNI
+
 }  // namespace raylm::int8
