@@ -87,7 +87,8 @@ def main() -> None:
                           (torch.randn(E, HIDDEN, INTER, generator=gen) * INTER ** -0.5).bfloat16(), 0, E)
               for _ in range(a.layers)]
     packed = [moe.prepare(layer.w13, layer.w2, 0, E, dtype=torch.float32) for layer in layers]  # cpp-packed's
-    int8 = [moe.prepare_int8(_int8(layer)) for layer in layers] if "cpp-int8" in a.paths else []  # as the table holds them
+    # cpp-int8's, as the table holds them
+    int8 = [moe.prepare_int8(_int8(layer)) for layer in layers] if "cpp-int8" in a.paths else []
     bytes_per_expert = (layers[0].w13[0].numel() + layers[0].w2[0].numel()) * layers[0].w13.element_size()
     paths = a.paths.split(",")
     print(f"# layer: {E} experts, top-{TOP_K}, hidden {HIDDEN}, intermediate {INTER}, bf16 experts "
