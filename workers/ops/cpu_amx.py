@@ -4,9 +4,10 @@ oneDNN's bf16 inner product runs the same tiles over weights reordered into its 
 raylm's layout is known, so rows can be read back from it: a tied embedding's lookups are served by
 the lm_head's packed copy and the embedding is freed (one 151,936 x hidden table instead of two). The
 kernel also folds greedy sampling into the lm_head (each row's argmax as the tiles' sums come out, no
-[B, V] logits written). Its products equal oneDNN's bit for bit on the shapes measured (both sum
-each 32-wide slice of K in a tile, then the slices in order), but it is tuned for decode sizes: at
-prefill sizes (2,048 rows) oneDNN's GEMM is faster on a layer's shapes.
+[B, V] logits written). Its products are oneDNN's up to the order of fp32 sums (equal bit for bit at
+up to 32 rows on the lm_head's shape; past that about one output in 10,000 rounds to the neighbouring
+bf16 value), and it is tuned for decode sizes: at prefill sizes (2,048 rows) oneDNN's GEMM is faster
+on a layer's shapes.
 
 Which runs is measured once per weight shape when the weights are prepared (the probes of
 cpu_narrow.py): raylm's packing serves a weight only where it is never slower than oneDNN's by more
