@@ -128,27 +128,13 @@ def test_a_tied_bf16_model_computing_in_bf16_holds_its_embedding_once(amx_all, t
     """The lm_head in raylm's packing, the tied embedding it was prepared from is freed and lookups
     read the packed rows: the checkpoint's bytes, each matrix once; greedy tokens the reference
     table's (the same bf16 model computed by plain torch ops), sampled through the fused argmax."""
-    import shutil
-
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
     from tests.plans import PlanDriver
-    from workers.loader import bundled_model_path
-    from workers.runner import ModelRunner
-    from workers.runner_config import RunnerConfig
+    from tests.workers.tied_bf16 import save_tied_bf16, tied_runner
 
-    src = bundled_model_path()
-    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
-    assert hf.config.tie_word_embeddings
-    hf.save_pretrained(tmp_path)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{src}/{f}", tmp_path / f)
-    stored = sum(t.nbytes for t in load_file(str(tmp_path / "model.safetensors")).values())
+    stored = save_tied_bf16(tmp_path)
 
     def runner(ops):
-        return ModelRunner(RunnerConfig(model=str(tmp_path), ops=ops, dtype="bfloat16", block_size=4,
-                                        num_kv_blocks=64, max_num_seqs=4))
+        return tied_runner(tmp_path, ops, "bfloat16")
 
     fast = runner("cpu")
     stats = fast.stats()

@@ -117,28 +117,14 @@ def test_a_tied_bf16_checkpoint_computing_in_fp32_holds_about_its_own_bytes(smal
     """The lm_head kept as its own bf16 copy, the tied embedding it was prepared from is freed and
     lookups read the lm_head's panels: the checkpoint's bytes, each matrix once at its width;
     tokens the reference's."""
-    import shutil
-
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
     from tests.plans import PlanDriver
-    from workers.loader import bundled_model_path
-    from workers.runner import ModelRunner
-    from workers.runner_config import RunnerConfig
+    from tests.workers.tied_bf16 import save_tied_bf16, tied_runner
 
     monkeypatch.setenv(cpu_narrow.ENV, "all")
-    src = bundled_model_path()
-    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
-    assert hf.config.tie_word_embeddings
-    hf.save_pretrained(tmp_path)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{src}/{f}", tmp_path / f)
-    stored = sum(t.nbytes for t in load_file(str(tmp_path / "model.safetensors")).values())
+    stored = save_tied_bf16(tmp_path)
 
     def runner(ops):
-        return ModelRunner(RunnerConfig(model=str(tmp_path), ops=ops, dtype="float32", block_size=4,
-                                        num_kv_blocks=64, max_num_seqs=4))
+        return tied_runner(tmp_path, ops, "float32")
 
     fast = runner("cpu")
     stats = fast.stats()

@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from workers.ops.cpu_narrow import NARROW_MIN_ELEMENTS, PROBE_MAX_MACS, best_of
+from workers.ops.cpu_narrow import NARROW_MIN_ELEMENTS, PROBE_MAX_MACS, best_of, packed_linear
 
 ENV = "RAYLM_CPU_AMX_LINEAR"
 TILE_K = 32  # the kernel takes widths that are a multiple of a tile's 32 columns
@@ -65,12 +65,7 @@ def pack(kernels, weight: torch.Tensor, bias: torch.Tensor | None) -> AMXWeight:
 
 def linear(kernels, x: torch.Tensor, handle: AMXWeight, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] (bf16) -> [..., out] (bf16), or into `out` (2-d x: out's columns, bf16 or fp32)."""
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    y = out if out is not None else torch.empty(x2.shape[0], handle.out_features, dtype=torch.bfloat16)
-    kernels.amx_linear(y, x2, handle.packed)
-    if handle.bias is not None:
-        y += handle.bias[: y.shape[1]]
-    return y if out is not None or x.dim() == 2 else y.view(*x.shape[:-1], handle.out_features)
+    return packed_linear(kernels.amx_linear, x, handle.packed, handle.out_features, handle.bias, torch.bfloat16, out)
 
 
 def faster(kernels, wide_linear, wide, handle: AMXWeight) -> bool:

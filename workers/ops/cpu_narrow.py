@@ -77,12 +77,19 @@ def bf16_copy(kernels, weight: torch.Tensor) -> torch.Tensor | None:
 def narrow_linear(kernels, x: torch.Tensor, handle: NarrowWeight, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] (fp32) -> [..., out'] through the bf16 copy, into `out` (2-d x: its first out'
     columns) if given."""
+    return packed_linear(kernels.narrow_linear, x, handle.narrow, handle.out_features, handle.bias, torch.float32, out)
+
+
+def packed_linear(op, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+                  dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] -> [..., out_features] in `dtype` by a kernel op(y, x 2-d, packed) that writes y's
+    columns from a weight it packed; into `out` (2-d x: its first columns) if given; the bias added."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    y = out if out is not None else torch.empty(x2.shape[0], handle.out_features, dtype=torch.float32)
-    kernels.narrow_linear(y, x2, handle.narrow)
-    if handle.bias is not None:
-        y += handle.bias[: y.shape[1]]
-    return y if out is not None or x.dim() == 2 else y.view(*x.shape[:-1], handle.out_features)
+    y = out if out is not None else torch.empty(x2.shape[0], out_features, dtype=dtype)
+    op(y, x2, packed)
+    if bias is not None:
+        y += bias[: y.shape[1]]
+    return y if out is not None or x.dim() == 2 else y.view(*x.shape[:-1], out_features)
 
 
 def choose_rows(kernels, wide_linear, wide, narrow: torch.Tensor, out_features: int) -> int:

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "vec_math.h"
+#include "row_best.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define RAYLM_AMX 1
@@ -105,21 +106,7 @@ inline void tile_pair(const uint16_t* x0, int64_t ldx, const uint16_t* b0, const
   }
 }
 
-// Each row's best (value, index) so far, ties to the lowest index and NaN above all, as torch.argmax
-struct Best {
-  std::vector<float> value;
-  std::vector<int64_t> index;  // -1: nothing seen yet
-
-  explicit Best(int64_t m) : value(m, 0.f), index(m, -1) {}
-
-  void offer(int64_t i, float v, int64_t j) {
-    const float b = value[i];
-    if (index[i] < 0 || v > b || (v != v && b == b)) {
-      value[i] = v;
-      index[i] = j;
-    }
-  }
-};
+using Best = raylm::RowBest;
 
 // 16 sums rounded to bf16 (nearest even, as torch's conversion), and widened back to fp32 exactly
 inline __m256i round16(const float* s) { return (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s)); }
@@ -303,13 +290,7 @@ at::Tensor amx_linear_argmax(at::Tensor x, at::Tensor packed, int64_t n) {
         const std::lock_guard<std::mutex> lock(mu);
         parts.emplace_back(begin, std::move(best));
       });
-  std::sort(parts.begin(), parts.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-  Best all(m);  // chunks in order: a later chunk wins only by a larger value
-  for (const auto& part : parts)
-    for (int64_t i = 0; i < m; ++i)
-      if (part.second.index[i] >= 0) all.offer(i, part.second.value[i], part.second.index[i]);
-  int64_t* out = ids.data_ptr<int64_t>();
-  for (int64_t i = 0; i < m; ++i) out[i] = all.index[i];
+  raylm::merge_bests(parts, m, ids.data_ptr<int64_t>());
   return ids;
 #else
   TORCH_CHECK(false, "raylm's AMX linear was not built for this CPU");

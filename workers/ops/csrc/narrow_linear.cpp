@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "panel_gemm.h"
+#include "row_best.h"
 
 #ifndef XBLOCK_BYTES_
 #define XBLOCK_BYTES_ (256 * 1024)
@@ -65,21 +66,7 @@ void run(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed) {
   });
 }
 
-// Each row's best (value, index) so far, ties to the lowest index and NaN above all, as torch.argmax
-struct Best {
-  std::vector<float> value;
-  std::vector<int64_t> index;  // -1: nothing seen yet
-
-  explicit Best(int64_t m) : value(m, 0.f), index(m, -1) {}
-
-  void offer(int64_t i, float v, int64_t j) {
-    const float b = value[i];
-    if (index[i] < 0 || v > b || (v != v && b == b)) {
-      value[i] = v;
-      index[i] = j;
-    }
-  }
-};
+using Best = raylm::RowBest;
 
 // One panel's outputs for a block of tokens into a tile [m, NR]. Kept out of line: inlined into the
 // argmax's loop, the micro-kernel's accumulators spilled (2.5x slower on an AVX2 Zen 3).
@@ -110,13 +97,7 @@ void run_argmax(at::Tensor& ids, const at::Tensor& x, const at::Tensor& packed, 
     const std::lock_guard<std::mutex> lock(mu);
     parts.emplace_back(begin, std::move(best));
   });
-  std::sort(parts.begin(), parts.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-  Best all(s.m);  // chunks in panel order: a later chunk wins only by a larger value
-  for (const auto& part : parts)
-    for (int64_t i = 0; i < s.m; ++i)
-      if (part.second.index[i] >= 0) all.offer(i, part.second.value[i], part.second.index[i]);
-  int64_t* out = ids.data_ptr<int64_t>();
-  for (int64_t i = 0; i < s.m; ++i) out[i] = all.index[i];
+  raylm::merge_bests(parts, s.m, ids.data_ptr<int64_t>());
 }
 
 // w [rows, K] -> its panels [ceil(rows / NR), K, NR]
