@@ -185,7 +185,9 @@ def test_int8_at_load_holds_the_experts_at_a_quarter_of_fp32(floats):
 # -- the CPU kernel against the reference table ---------------------------------------------------------------
 CASES = [  # (tokens, num_experts, top_k, first_expert, num_local, hidden, intermediate)
     (1, 8, 2, 0, None, 48, 40), (5, 8, 8, 0, None, 64, 32), (13, 16, 4, 4, 8, 40, 28), (70, 8, 2, 0, None, 96, 64),
-    (33, 128, 8, 120, 8, 64, 48), (130, 16, 4, 0, None, 64, 48)]
+    (33, 128, 8, 120, 8, 64, 48), (130, 16, 4, 0, None, 64, 48),
+    # tens of tokens an expert, widths in whole 64-column tiles: AMX-INT8 where the CPU has it (and the rest)
+    (150, 4, 2, 0, None, 64, 128), (200, 8, 2, 0, None, 128, 80)]
 
 
 def int8_case(seed, tokens, num_experts, top_k, first_expert, num_local, hidden, intermediate, dtype, pattern):

@@ -28,9 +28,7 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define RAYLM_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #endif
 
 namespace {
@@ -44,31 +42,8 @@ constexpr int64_t XBLOCK_BYTES = AMX_XBLOCK_BYTES_;  // x a block of rows may ta
 
 #ifdef RAYLM_AMX
 
-// Linux hands AMX's tile data state to a process only when asked (arch_prctl ARCH_REQ_XCOMP_PERM,
-// XFEATURE_XTILEDATA); oneDNN asks too, so this is a no-op once it has.
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Eight 16 x 64-byte tiles: 0-3 the sums (row block i, weight block j at 2i + j), 4-5 x, 6-7 w.
-void configure_tiles() {
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) {
-    c.colsb[t] = 64;
-    c.rows[t] = 16;
-  }
-  _tile_loadconfig(&c);
-}
+using raylm::amx::configure;  // tiles 0-3 the sums (row block i, weight block j at 2i + j), 4-5 x, 6-7 w
+inline bool amx_permitted() { return raylm::amx::permitted(); }
 
 // Sums of MT row blocks of x (16 rows each, starting at x0, row stride ldx elements) against the weight
 // blocks b0 and b1 over K, into out [16 * MT, 32] (fp32). next: the following pair, prefetched.
@@ -160,7 +135,7 @@ void for_each_tile(const PaddedX& x, const at::Tensor& packed, int64_t n, Init&&
   const int64_t mc = std::max<int64_t>(32, XBLOCK_BYTES / (K * 2) / 32 * 32);
   at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
     auto state = init();
-    configure_tiles();
+    configure();
     alignas(64) float sums[32 * 2 * TN];
     for (int64_t m0 = 0; m0 < x.mp; m0 += mc) {
       const int64_t m1 = std::min(x.mp, m0 + mc);

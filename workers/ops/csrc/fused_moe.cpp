@@ -437,14 +437,24 @@ struct PanelInt8 {
   int64_t min_cols() const { return raylm::int8::PR; }
   void gate_up(int64_t e, int64_t i0, int64_t ni, const raylm::int8::xq_t* const* x, int64_t m, int32_t* g,
                int32_t* u, int64_t ld) const {
-    for (int part = 0; part < 2; ++part) {
-      const int64_t r0 = (e * 2 + part) * Ip + i0;
-      raylm::int8::panel_rows(w13 + r0 * Hp, ni, Hp / 4, x, m, sum13 + r0, part ? u : g, ld);
-    }
+    const int64_t r0[2] = {e * 2 * Ip + i0, (e * 2 + 1) * Ip + i0};  // gate's rows, up's
+#ifdef RAYLM_INT8_AMX
+    const int8_t* w[2] = {w13 + r0[0] * Hp, w13 + r0[1] * Hp};
+    const int32_t* s[2] = {sum13 + r0[0], sum13 + r0[1]};
+    int32_t* o[2] = {g, u};
+    if (raylm::int8::panel_rows_amx(w, 2, ni, Hp / 4, x, m, s, o, ld)) return;
+#endif
+    for (int part = 0; part < 2; ++part)
+      raylm::int8::panel_rows(w13 + r0[part] * Hp, ni, Hp / 4, x, m, sum13 + r0[part], part ? u : g, ld);
   }
   void down(int64_t e, int64_t h0, int64_t nh, const raylm::int8::xq_t* const* x, int64_t m, int32_t* y,
             int64_t ld) const {
     const int64_t r0 = e * Rd + h0;
+#ifdef RAYLM_INT8_AMX
+    const int8_t* w = w2 + r0 * Kd;
+    const int32_t* s = sum2 + r0;
+    if (raylm::int8::panel_rows_amx(&w, 1, nh, Kd / 4, x, m, &s, &y, ld)) return;
+#endif
     raylm::int8::panel_rows(w2 + r0 * Kd, nh, Kd / 4, x, m, sum2 + r0, y, ld);
   }
 };

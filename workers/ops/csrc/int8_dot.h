@@ -14,6 +14,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
+
+#include "amx_tiles.h"
 
 namespace raylm::int8 {
 
@@ -227,6 +230,89 @@ inline void panel_rows(const int8_t* w, int64_t rows, int64_t Kq, const xq_t* co
     }
   }
 }
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#define RAYLM_INT8_AMX 1
+// AMX-INT8 over the same panels (a panel's 16 column quads from q on are one 1 KiB tile, TDPBUSD's second
+// operand), for panels that meet enough tokens to fill tiles' rows: tokens gathered into a contiguous buffer
+// of Kp-byte rows, 32 at a time (two 16-row tiles) against two panels (four sums tiles).
+constexpr int64_t AMX_MIN_TOKENS = 4;
+constexpr int64_t AMX_K = 64;  // columns a tile takes
+
+// outs[j][n * ldo + r] = row r of panel j . x[n] for np (1 or 2) panels and m tokens, x in xs (Kp-byte rows,
+// mp rows: m padded to 16)
+inline void amx_two_panels(const int8_t* const* panels, const int32_t* const* sums, int32_t* const* outs, int np,
+                           int64_t Kp, const xq_t* xs, int64_t m, int64_t mp, int64_t ldo) {
+  alignas(64) int32_t tile[16 * 16];
+  for (int64_t i0 = 0; i0 < mp; i0 += 32) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const bool both = i0 + 16 < m;  // a second 16-token tile has tokens in it
+    for (int64_t k = 0; k < Kp; k += AMX_K) {
+      _tile_loadd(4, xs + i0 * Kp + k, Kp);
+      _tile_loadd(6, panels[0] + k * 16, 64);
+      _tile_dpbusd(0, 4, 6);
+      if (np == 2) {
+        _tile_loadd(7, panels[1] + k * 16, 64);
+        _tile_dpbusd(1, 4, 7);
+      }
+      if (both) {
+        _tile_loadd(5, xs + (i0 + 16) * Kp + k, Kp);
+        _tile_dpbusd(2, 5, 6);
+        if (np == 2) _tile_dpbusd(3, 5, 7);
+      }
+    }
+    for (int t = 0; t < 4; ++t) {
+      const int j = t & 1, half = t >> 1;
+      if (j >= np) continue;
+      const int64_t n0 = i0 + 16 * half;
+      if (n0 >= m) continue;
+      switch (t) {  // a tile's number must be a constant
+        case 0: _tile_stored(0, tile, 64); break;
+        case 1: _tile_stored(1, tile, 64); break;
+        case 2: _tile_stored(2, tile, 64); break;
+        default: _tile_stored(3, tile, 64); break;
+      }
+      const vi bias = _mm512_slli_epi32(_mm512_loadu_si512(sums[j]), 7);
+      for (int64_t n = n0; n < std::min(m, n0 + 16); ++n)
+        _mm512_storeu_si512(outs[j] + n * ldo, _mm512_sub_epi32(_mm512_loadu_si512(tile + (n - n0) * 16), bias));
+    }
+  }
+}
+
+// panel_rows by AMX-INT8 tiles, where m >= AMX_MIN_TOKENS and the columns are whole tiles (Kq * 4 a multiple
+// of 64); returns false where it does not apply. The output's columns are written 16 a panel (every row of
+// the last panel: y must have room for them).
+inline bool panel_rows_amx(const int8_t* const* w, int nw, int64_t rows, int64_t Kq, const xq_t* const* x, int64_t m,
+                           const int32_t* const* wsum, int32_t* const* y, int64_t ldy) {
+  const int64_t Kp = Kq * 4;
+  if (m < AMX_MIN_TOKENS || Kp % AMX_K != 0 || !raylm::amx::permitted()) return false;
+  const int64_t mp = (m + 15) / 16 * 16;
+  thread_local std::vector<xq_t> xs;
+  xs.resize(mp * Kp);
+  for (int64_t n = 0; n < m; ++n) std::copy(x[n], x[n] + Kp, xs.data() + n * Kp);
+  std::fill(xs.data() + m * Kp, xs.data() + mp * Kp, encode(0));
+  raylm::amx::configure();
+  const int64_t panels = (rows + PR - 1) / PR, stride = Kq * 64;
+  std::vector<const int8_t*> pw;  // every matrix's panels, in pairs (a gate panel beside its up panel)
+  std::vector<const int32_t*> ps;
+  std::vector<int32_t*> po;
+  for (int64_t p = 0; p < panels; ++p)
+    for (int j = 0; j < nw; ++j) {
+      pw.push_back(w[j] + p * stride);
+      ps.push_back(wsum[j] + p * PR);
+      po.push_back(y[j] + p * PR);
+    }
+  for (size_t i = 0; i < pw.size(); i += 2)
+    amx_two_panels(pw.data() + i, ps.data() + i, po.data() + i, i + 1 < pw.size() ? 2 : 1, Kp, xs.data(), m, mp,
+                   ldy);
+  _tile_release();
+  return true;
+}
+#endif  // AMX-INT8
+
 #endif  // RAYLM_INT8_VNNI
 
 }  // namespace raylm::int8
