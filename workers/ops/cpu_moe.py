@@ -17,7 +17,8 @@ Python:
   (csrc/fused_moe.cpp's fused_moe_int8 over csrc/int8_dot.h): tokens quantized once, exact int32
   sums, the reference's rounding steps, int8 weights at a quarter of fp32's bytes. With AVX512-VNNI the
   experts are repacked once at prepare into panels of 16 rows (PackedInt8MoEWeights: VPDPBUSD adds four
-  columns into 16 rows' sums, no horizontal sum per output); elsewhere they are read where they lie,
+  columns into 16 rows' sums, no horizontal sum per output; with AMX-INT8 an expert meeting enough
+  tokens multiplies the same panels in tiles); elsewhere they are read where they lie,
   row by row, against int16-widened activations. The only path for int8 experts besides the reference
   (no library here runs a grouped int8 GEMM); a float path forced by RAYLM_CPU_MOE leaves them on it.
 
