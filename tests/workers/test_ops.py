@@ -186,17 +186,20 @@ def test_without_a_compiler_the_cpu_table_gathers_and_says_why(monkeypatch):
 @pytest.mark.parametrize("backend", ["paged", "paged-portable"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("seed", [0, 1, 3])  # seeds whose batches have decode rows
-def test_paged_cpu_attention_reads_a_half_precision_pool_and_rounds_once(seed, dtype, backend, monkeypatch):
+@pytest.mark.parametrize(("num_kv_heads", "group", "head_dim"), [(8, 2, 128), (2, 3, 64)], ids=["qwen3", "odd-group"])
+def test_paged_cpu_attention_reads_a_half_precision_pool_and_rounds_once(seed, num_kv_heads, group, head_dim, dtype,
+                                                                          backend, monkeypatch):
     """A bf16 / fp16 model's pool is read at its width: the rows the kernel attends (decode rows and
     short chunks after a cached prefix) are the fp32 attention over the same half-precision keys
     and values, rounded once to the dtype (within one of its ulps); over all rows (fresh prompts go
-    through SDPA in the dtype, as the reference's) no farther from it than the reference."""
+    through SDPA in the dtype, as the reference's) no farther from it than the reference. Qwen3's
+    heads and an odd group (a query head left over after the kernel's pairs)."""
     monkeypatch.setenv("RAYLM_CPU_ATTENTION", backend)
     ops = get_op_table("cpu", "cpu")
     ops.prepare_linear(torch.zeros(8, 8, dtype=dtype))  # a half-precision model keeps the kernel
     assert ops.describe()["attention"] == {"paged": "paged-cpp", "paged-portable": "paged-cpp-portable"}[backend]
-    cache, seqs, d, contexts, q, k, v = random_batch(seed, block_size=16, num_kv_heads=8, group=2, head_dim=128,
-                                                     num_blocks=128, dtype=dtype)
+    cache, seqs, d, contexts, q, k, v = random_batch(seed, block_size=16, num_kv_heads=num_kv_heads, group=group,
+                                                     head_dim=head_dim, num_blocks=128, dtype=dtype)
     other = copy.copy(cache)
     other.data = cache.data.clone()
     out = run_attention(None, cache, seqs, d, q, k, v, ops=ops)

@@ -257,6 +257,41 @@ inline __m256 scores8(const float* q, const typename E::T* k, int64_t stride, in
   return sum8(h);
 }
 
+#if defined(__AVX512BF16__)
+#define RAYLM_ATTENTION_DPBF16 1
+// q . k for eight key positions and GS query heads that share them, a bf16 q and pool multiplied in
+// pairs by vdpbf16ps (a product of two bf16 is exact in fp32; the sums are fp32 as elsewhere): each
+// key vector is loaded once for the GS heads and never widened. head_dim % 32 == 0.
+template <int GS, int64_t HEAD_DIM>
+inline void scores8_dpbf16(const uint16_t* const* q, const uint16_t* k, int64_t stride, int64_t head_dim_rt,
+                           __m256* out) {
+  const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim_rt;
+  __m512 a[GS][8];
+#pragma GCC unroll 2
+  for (int g = 0; g < GS; ++g)
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; ++p) a[g][p] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < head_dim; c += 32) {
+    __m512bh qv[GS];
+#pragma GCC unroll 2
+    for (int g = 0; g < GS; ++g) qv[g] = (__m512bh)_mm512_loadu_si512(q[g] + c);
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; ++p) {
+      const __m512bh kv = (__m512bh)_mm512_loadu_si512(k + p * stride + c);
+#pragma GCC unroll 2
+      for (int g = 0; g < GS; ++g) a[g][p] = _mm512_dpbf16_ps(a[g][p], qv[g], kv);
+    }
+  }
+#pragma GCC unroll 2
+  for (int g = 0; g < GS; ++g) {
+    __m256 h[8];
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; ++p) h[p] = V16::fold8(a[g][p]);
+    out[g] = sum8(h);
+  }
+}
+#endif
+
 // acc[g][0 .. W NV) += sum over the block's m positions of w[g][o] * v[o][0 .. W NV), for GS query
 // heads, the accumulators held in registers across the block
 template <typename V, int GS, int NV, typename E>
@@ -346,7 +381,33 @@ void attend_all_avx2(typename E::T* op, const typename E::T* qp, const typename 
       for_each_block(kp, table, len, block_size, block_stride, row_stride, [&](int64_t p0, int64_t m, const T* base) {
         for (int64_t h = 0; h < num_kv_heads; ++h) {
           const T* kb = base + h * head_dim;
-          for (int64_t j = 0; j < group; ++j) {
+          int64_t j = 0;
+#ifdef RAYLM_ATTENTION_DPBF16
+          if constexpr (std::is_same_v<E, BF16>) {
+            if (head_dim % 32 == 0) {
+              const T* qbf = qp + t * num_heads * head_dim;
+              for (; j < group; j += 2) {
+                const int gs = j + 2 <= group ? 2 : 1;
+                const int64_t qh = h * group + j;
+                const T* q2[2] = {qbf + qh * head_dim, qbf + (qh + gs - 1) * head_dim};
+                int64_t o = 0;
+                for (; o + 8 <= m; o += 8) {
+                  __m256 s8[2];
+                  if (gs == 2) {
+                    scores8_dpbf16<2, HEAD_DIM>(q2, kb + o * row_stride, row_stride, head_dim, s8);
+                  } else {
+                    scores8_dpbf16<1, HEAD_DIM>(q2, kb + o * row_stride, row_stride, head_dim, s8);
+                  }
+                  for (int g = 0; g < gs; ++g) _mm256_storeu_ps(sc + (qh + g) * len + p0 + o, _mm256_mul_ps(s8[g], vscale));
+                }
+                for (; o < m; ++o)
+                  for (int g = 0; g < gs; ++g)
+                    sc[(qh + g) * len + p0 + o] = dot<E>(qt + (qh + g) * head_dim, kb + o * row_stride, head_dim) * scale;
+              }
+            }
+          }
+#endif
+          for (; j < group; ++j) {
             const int64_t qh = h * group + j;
             const float* q = qt + qh * head_dim;
             float* srow = sc + qh * len + p0;
