@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from scheduler.checks import check_int
+from workers.device import host_zeros
 
 
 class KVCache:
@@ -24,8 +25,11 @@ class KVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         # [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]; zeros so padded reads are finite
-        self.data = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
-                                dtype=dtype, device=device)
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        if torch.device(device).type == "cpu":
+            self.data = host_zeros(shape, dtype)  # on huge pages where the OS grants them
+        else:
+            self.data = torch.zeros(shape, dtype=dtype, device=device)
 
     @staticmethod
     def bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

@@ -152,3 +152,12 @@ def test_native_half_matmul_follows_the_cpu_features(monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     assert dev.native_half_matmul(torch.device("cpu"))
     assert dev.native_half_matmul(torch.device("cuda"))
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (2, 3, 1 << 20)], ids=["small", "huge-pages"])
+def test_host_zeros_are_zeros_of_the_shape_and_dtype_asked(shape):
+    t = dev.host_zeros(shape, torch.bfloat16)
+    assert t.shape == shape and t.dtype == torch.bfloat16 and t.device.type == "cpu"
+    assert not t.any()
+    t.fill_(1.5)  # the pages are the tensor's to write
+    assert t.float().sum() == 1.5 * t.numel()
