@@ -72,6 +72,11 @@ class EngineConfig:
     `num_replicas` such groups serve in data parallel. A MoE model's experts are split across the
     ranks whole with `enable_expert_parallel` (vLLM's --enable-expert-parallel), else each
     expert's intermediate dim is.
+    `fake_step_s` (benchmarks only: `raylm bench --driver-capacity`) starts workers that load no
+    model and answer each step's sampling rows with ids of their own after that many seconds, a
+    device's step time stood in for (0: at once; workers/fake_runner.py), through the real step
+    channel, plan and scheduler, each asking Ray for a hundredth of a CPU: what limits throughput
+    is then the engine itself.
     `accelerator_resource` overrides the Ray resource each worker asks one of
     (default: "NPU" for npu, "GPU" for cuda, none for cpu); tests set "NPU" with device
     "cpu" to exercise NPU placement on a machine without NPUs. `block_size` None: 128 on
@@ -157,6 +162,7 @@ class EngineConfig:
     graph_sizes: list[int] | None = None  # decode graph buckets; default: powers of two up to max_num_seqs
     prepare_structured_output: bool = False  # load xgrammar at worker start (raylm serve does)
     accelerator_resource: str | None = None  # a cluster naming its accelerators otherwise; "NPU" + cpu: a dry run
+    fake_step_s: float | None = None  # benchmarks: workers with no model whose steps take this long (0: none)
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -173,6 +179,11 @@ class EngineConfig:
             self.block_size = default_block_size(self.device)
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         check_bool("enable_expert_parallel", self.enable_expert_parallel)
+        if self.fake_step_s is not None:
+            if not is_number(self.fake_step_s) or not 0 <= self.fake_step_s <= 10:
+                raise ValueError(f"fake_step_s must be seconds in [0, 10] or None, got {self.fake_step_s!r}")
+            if self.device != "cpu":
+                raise ValueError(f"fake workers (fake_step_s) run no device: device must be 'cpu', got {self.device!r}")
         check_int("block_size", self.block_size, 1)
         if self.device == "npu":
             check_npu_block_size(self.block_size)
@@ -253,6 +264,7 @@ class EngineConfig:
             and self.tensor_parallel_size == 1,
             enforce_eager=self.enforce_eager, graph_sizes=None if self.graph_sizes is None else tuple(self.graph_sizes),
             prepare_structured_output=self.prepare_structured_output, step_channel=self.resolved_step_channel,
+            fake_step_s=self.fake_step_s,
         )
 
     @property

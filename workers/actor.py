@@ -27,6 +27,7 @@ import ray
 
 from scheduler.protocol import StepPlan
 from workers.device import set_cpu_threads, visible_devices_env
+from workers.fake_runner import FakeRunner
 from workers.parallel import SINGLE, ParallelConfig, TensorParallel, free_port
 from workers.runner import ModelRunner
 from workers.runner_config import RunnerConfig
@@ -38,7 +39,7 @@ class WorkerActor:
     """Owns one device. The constructor is cheap; `start` loads the model."""
 
     def __init__(self) -> None:
-        self.runner: ModelRunner | None = None
+        self.runner: ModelRunner | FakeRunner | None = None
         self.parallel: TensorParallel = SINGLE
         self.channel: StepServer | None = None
 
@@ -77,7 +78,9 @@ class WorkerActor:
             info["step_channel"] = self.channel.describe()
         return info
 
-    def _load(self, cfg: RunnerConfig) -> ModelRunner:
+    def _load(self, cfg: RunnerConfig) -> ModelRunner | FakeRunner:
+        if cfg.fake_step_s is not None:
+            return FakeRunner(cfg)
         if cfg.device == "cpu":
             set_cpu_threads(cfg.num_threads)
         runner = ModelRunner(cfg, parallel=self.parallel)

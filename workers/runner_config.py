@@ -90,3 +90,5 @@ class RunnerConfig:
     prepare_structured_output: bool = False
     step_channel: str = "ray"  # "socket": steps over the worker's StepServer; "ray": one actor call each
     graph_sizes: tuple[int, ...] | None = None  # decode graph buckets; None -> powers of two up to max_num_seqs
+    # benchmarks: no model; each step answers its sampling rows after this many seconds (workers/fake_runner.py)
+    fake_step_s: float | None = None

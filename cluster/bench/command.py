@@ -30,6 +30,10 @@ round of `--repeat`, and the figures printed are the medians over rounds.
   `--threads-per-worker`), plus one replica at the smallest of those thread counts; the
   scaling target compares N replicas with one replica of the same threads (on a CPU a
   replica's threads stand for its device).
+- `--driver-capacity`: the engine alone, with fake workers that load no model
+  (cluster/bench/driver_capacity.py): its CPU per replica-step at `--rows` running rows, and
+  how many replicas it drives at a `--fake-step-ms` device step before it, not the workers,
+  limits throughput.
 - `--serve --rate R[,R...]`: requests arrive as a Poisson process at R per second
   ("inf": all at once); TTFT, TPOT, ITL and end-to-end latency as vLLM's serving
   benchmark reports them.
@@ -156,7 +160,8 @@ def add_parser(sub) -> None:
                    help="HF contenders (default cb,generate; generate_batch runs every request to the longest)")
     b.add_argument("--ab", choices=["device-outputs"], default=None,
                    help="device-outputs: sampled ids back (on) against full logits back (off)")
-    b.add_argument("--replicas", type=_int_list, default=[1], help="replica counts to run (scaling)")
+    b.add_argument("--replicas", type=_int_list, default=None,
+                   help="replica counts to run (scaling; default 1, with --driver-capacity 1,2,4,8,16)")
     b.add_argument("--threads-per-worker", type=int, default=None,
                    help="torch threads per worker (default: cores // replicas)")
     b.add_argument("--serve", action="store_true", help="serving load: Poisson arrivals at --rate")
@@ -173,6 +178,14 @@ def add_parser(sub) -> None:
                    help="rounds of the offline runs, or of --serve-http (--in-process: the median ratio); order "
                         "reversed every other")
     b.add_argument("--address", default=None, help="Ray address to join (default: this process's or a local one)")
+    b.add_argument("--driver-capacity", action="store_true",
+                   help="the engine's own cost per step with fake workers (no model): --rows, --replicas, "
+                        "--fake-step-ms")
+    b.add_argument("--rows", type=_int_list, default=[1, 16, 64, 256],
+                   help="with --driver-capacity: running rows of one replica (its largest but one: each replica's "
+                        "in the replicas sweep)")
+    b.add_argument("--fake-step-ms", type=float, default=30.0,
+                   help="with --driver-capacity: each fake worker step's time in the replicas sweep (a device's)")
     b.add_argument("--json", default=None, metavar="PATH", help="write every figure here (updated after each run)")
     b.add_argument("--plot", default=None, metavar="PATH", help="PNG of throughput against batch size or rate")
     b.add_argument("--profile", default=None, metavar="DIR",
@@ -234,6 +247,12 @@ def _machine() -> dict:
 def run(a: argparse.Namespace) -> int:
     import cluster
 
+    if a.driver_capacity:
+        import cluster.bench.driver_capacity as driver_capacity
+
+        a.replicas = a.replicas or [1, 2, 4, 8, 16]
+        return driver_capacity.run(a)
+    a.replicas = a.replicas or [1]
     if a.serve_http:
         import cluster.bench.serve_http as serve_http
 

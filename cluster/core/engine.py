@@ -104,7 +104,7 @@ class LocalEngine:
         threads, prefill_threads = (cpu_worker_threads(cfg.num_replicas, tp, cfg.threads_per_worker, cfg.reserved_cpus,
                                                        cfg.prefill_threads_per_worker)
                                     if cfg.device == "cpu" else (cfg.threads_per_worker or 1,) * 2)
-        resources = worker_resources(cfg.device, threads, cfg.accelerator_resource)
+        resources = worker_resources(cfg.device, threads, cfg.accelerator_resource, fake=cfg.fake_step_s is not None)
         runner_configs = [cfg.runner_config(i, model_path=self.model_path, num_threads=threads,
                                             prefill_threads=prefill_threads)
                           for i in range(cfg.num_replicas)]

@@ -35,10 +35,14 @@ class WorkerResources:
         return b
 
 
-def worker_resources(device: str, threads: int, accelerator_resource: str | None) -> WorkerResources:
+FAKE_WORKER_CPUS = 0.01  # a fake worker (EngineConfig.fake_step_s) computes nothing
+
+
+def worker_resources(device: str, threads: int, accelerator_resource: str | None,
+                     fake: bool = False) -> WorkerResources:
     accelerator = accelerator_resource or ray_resource_key(device)
     # CPU workers reserve a core per thread; accelerator workers need one host core.
-    num_cpus = threads if device == "cpu" else 1
+    num_cpus = FAKE_WORKER_CPUS if fake else threads if device == "cpu" else 1
     return WorkerResources(num_cpus=num_cpus, accelerator=accelerator)
 
 

@@ -1,0 +1,124 @@
+"""`raylm bench --driver-capacity`: what one engine process can drive, measured with fake workers.
+
+Workers are fake (EngineConfig.fake_step_s, workers/fake_runner.py): they load no model and answer
+each step's ids, through the real step channel, after a fixed time standing in for a device's step.
+Everything else is the real engine: scheduler, plan encoding, result decoding, detokenizer,
+streams. Two sweeps, each run a fresh engine given three times the requests its replicas hold,
+all at once (ignore_eos, --output-len tokens each), measured over the run's steady middle:
+
+- rows: one replica whose steps take no time, at each of --rows running rows: steps a second, and
+  the engine's CPU per replica-step (this process's CPU time, all its threads: step loop,
+  detokenizer, Ray's own, divided by the steps all replicas ran).
+- replicas: each of --replicas replicas at --rows' largest-but-one count (64 by default) whose steps
+  take --fake-step-ms (a device's decode step): steps a second against the R / step_time the
+  workers alone would allow. Where that share falls, the engine limits, not the workers.
+
+Prompts are --input-len tokens of the bundled tiny model's vocabulary (its tokenizer detokenizes
+the outputs); the model's weights are never loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import threading
+import time
+
+STEPS_PER_REQUEST = 200  # each request's output tokens when --output-len is left as is
+WAVES = 3  # the requests of a run: at least this many times what its replicas hold at once
+ZERO_STEP_TOKENS = 40_000  # and, where steps take no time, this many tokens a row, up to 16 rows (a few seconds)
+SAMPLE_S = 0.25  # how often the run's counters are read
+
+
+def _run_once(*, replicas: int, rows: int, step_s: float, prompt_len: int, output_len: int, seed: int) -> dict:
+    """One engine of `replicas` fake replicas of `rows` slots, given WAVES times the requests they
+    hold at once (more where steps take no time); the figures are taken over the steady middle of
+    the run (from 20% to 80% of its tokens), where every replica is full: neither the first
+    prefill nor the last stragglers."""
+    import cluster
+    from cluster import SamplingParams
+
+    rng = random.Random(seed)
+    waves = WAVES if step_s else max(WAVES, -(-ZERO_STEP_TOKENS * min(rows, 16) // (replicas * rows * output_len)))
+    requests = waves * replicas * rows
+    prompts = [[rng.randrange(4, 1000) for _ in range(prompt_len)] for _ in range(requests)]
+    blocks = 2 * -(-(prompt_len + output_len) // 16) * rows + 16
+    h = cluster.launch(fake_step_s=step_s, num_replicas=replicas, max_num_seqs=rows, num_kv_blocks=blocks,
+                       max_num_batched_tokens=max(2048, rows * prompt_len), max_waiting_requests=requests)
+    try:
+        h.generate([prompts[0]], SamplingParams(max_tokens=2, ignore_eos=True))  # every stream and channel open
+        done: dict = {}
+
+        def generate() -> None:
+            try:
+                done["outs"] = h.generate(prompts, SamplingParams(max_tokens=output_len, ignore_eos=True))
+            except BaseException as e:  # noqa: BLE001 - raised on the bench's thread below
+                done["error"] = e
+
+        gen = threading.Thread(target=generate)
+        samples = []  # (wall, this process's CPU, generated tokens, steps)
+        gen.start()
+        while gen.is_alive():
+            st = h.stats()
+            samples.append((time.perf_counter(), time.process_time(), st["generated_tokens"], st["steps"]))
+            gen.join(SAMPLE_S)
+    finally:
+        h.shutdown()
+    if "error" in done:
+        raise done["error"]
+    tokens = sum(len(o.outputs[0].token_ids) for o in done["outs"])
+    if tokens != requests * output_len:
+        raise RuntimeError(f"fake workers returned {tokens} tokens, {requests * output_len} were asked for")
+    first_tokens = samples[0][2]
+    lo = next(s for s in samples if s[2] - first_tokens >= 0.2 * tokens)
+    hi = [s for s in samples if s[2] - first_tokens <= 0.8 * tokens][-1]
+    if hi[0] - lo[0] < 3 * SAMPLE_S:
+        raise RuntimeError("the run was too short to measure: raise --output-len")
+    wall, cpu, gen_tokens, steps = (b - a for a, b in zip(lo, hi))
+    return {"replicas": replicas, "rows": rows, "step_ms": step_s * 1e3, "steps": steps, "wall_s": wall,
+            "engine_cpu_s": cpu, "steps_per_s": steps / wall, "out_tok_per_s": gen_tokens / wall,
+            "cpu_ms_per_replica_step": cpu * 1e3 / steps, "engine_cores": cpu / wall,
+            "of_ideal": (steps / wall) / (replicas / step_s) if step_s else None}
+
+
+def run(a: argparse.Namespace) -> int:
+    import cluster
+
+    output_len = a.output_len[1] if a.output_len[0] == a.output_len[1] else STEPS_PER_REQUEST
+    prompt_len = a.input_len[0]
+    owns_ray = cluster.ensure_ray(a.address)
+    results: dict = {"rows": [], "replicas": [], "output_len": output_len, "prompt_len": prompt_len}
+    try:
+        print(f"# raylm bench --driver-capacity: fake workers, {prompt_len}-token prompts, {output_len} tokens "
+              f"each; {os.cpu_count()} CPUs; engine CPU = this process's, all threads")
+        print(f"{'replicas':>8} {'rows':>5} {'step ms':>8} {'steps/s':>9} {'out tok/s':>10} "
+              f"{'CPU ms / replica-step':>22} {'engine cores':>13} {'of workers-only':>16}")
+
+        def show(r: dict) -> None:
+            share = "-" if r["of_ideal"] is None else f"{r['of_ideal']:.2f}"
+            print(f"{r['replicas']:>8} {r['rows']:>5} {r['step_ms']:>8.1f} {r['steps_per_s']:>9.1f} "
+                  f"{r['out_tok_per_s']:>10.0f} {r['cpu_ms_per_replica_step']:>22.3f} {r['engine_cores']:>13.2f} "
+                  f"{share:>16}", flush=True)
+
+        for rows in a.rows:
+            r = _run_once(replicas=1, rows=rows, step_s=0.0, prompt_len=prompt_len, output_len=output_len,
+                          seed=a.seed)
+            results["rows"].append(r)
+            show(r)
+        rows = a.rows[-2] if len(a.rows) > 1 else a.rows[0]
+        for replicas in a.replicas:
+            r = _run_once(replicas=replicas, rows=rows, step_s=a.fake_step_ms / 1e3, prompt_len=prompt_len,
+                          output_len=output_len, seed=a.seed)
+            results["replicas"].append(r)
+            show(r)
+    finally:
+        if owns_ray:
+            import ray
+
+            ray.shutdown()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
