@@ -7,8 +7,9 @@ streams. Two sweeps, each run a fresh engine given three times the requests its 
 all at once (ignore_eos, --output-len tokens each), measured over the run's steady middle:
 
 - rows: one replica whose steps take no time, at each of --rows running rows: steps a second, and
-  the engine's CPU per replica-step (this process's CPU time, all its threads: step loop,
-  detokenizer, Ray's own, divided by the steps all replicas ran).
+  the engine's CPU per replica-step: the CPU time of this process's threads (step loops,
+  detokenizing, delivery, Ray's own) but the caller's, which reads the outputs as a user's code
+  would, divided by the steps all replicas ran; and the same with the caller's thread counted.
 - replicas: each of --replicas replicas at --rows' largest-but-one count (64 by default) whose steps
   take --fake-step-ms (a device's decode step): steps a second against the R / step_time the
   workers alone would allow. Where that share falls, the engine limits, not the workers.
@@ -30,6 +31,23 @@ STEPS_PER_REQUEST = 200  # each request's output tokens when --output-len is lef
 WAVES = 3  # the requests of a run: at least this many times what its replicas hold at once
 ZERO_STEP_TOKENS = 40_000  # and, where steps take no time, this many tokens a row, up to 16 rows (a few seconds)
 SAMPLE_S = 0.25  # how often the run's counters are read
+
+
+def _cpu_seconds(exclude: set[int]) -> tuple[float, float]:
+    """(CPU seconds of this process's threads but those in `exclude` (native ids), of all of them):
+    Linux's per-thread counters; elsewhere the process's for both."""
+    total = time.process_time()
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return total, total
+    theirs = 0.0
+    for tid in exclude:
+        try:
+            with open(f"{tasks}/{tid}/schedstat") as f:  # nanoseconds on a CPU, first
+                theirs += int(f.read().split()[0]) / 1e9
+        except OSError:  # the thread ended meanwhile, or no scheduler statistics: count it in
+            continue
+    return total - theirs, total
 
 
 def _run_once(*, replicas: int, rows: int, step_s: float, prompt_len: int, output_len: int, seed: int) -> dict:
@@ -58,11 +76,12 @@ def _run_once(*, replicas: int, rows: int, step_s: float, prompt_len: int, outpu
                 done["error"] = e
 
         gen = threading.Thread(target=generate)
-        samples = []  # (wall, this process's CPU, generated tokens, steps)
+        samples = []  # (wall, the engine's threads' CPU, this process's, generated tokens, steps)
         gen.start()
+        callers = {threading.main_thread().native_id, gen.native_id}  # the bench's threads, not the engine's
         while gen.is_alive():
             st = h.stats()
-            samples.append((time.perf_counter(), time.process_time(), st["generated_tokens"], st["steps"]))
+            samples.append((time.perf_counter(), *_cpu_seconds(callers), st["generated_tokens"], st["steps"]))
             gen.join(SAMPLE_S)
     finally:
         h.shutdown()
@@ -71,15 +90,16 @@ def _run_once(*, replicas: int, rows: int, step_s: float, prompt_len: int, outpu
     tokens = sum(len(o.outputs[0].token_ids) for o in done["outs"])
     if tokens != requests * output_len:
         raise RuntimeError(f"fake workers returned {tokens} tokens, {requests * output_len} were asked for")
-    first_tokens = samples[0][2]
-    lo = next(s for s in samples if s[2] - first_tokens >= 0.2 * tokens)
-    hi = [s for s in samples if s[2] - first_tokens <= 0.8 * tokens][-1]
+    first_tokens = samples[0][3]
+    lo = next(s for s in samples if s[3] - first_tokens >= 0.2 * tokens)
+    hi = [s for s in samples if s[3] - first_tokens <= 0.8 * tokens][-1]
     if hi[0] - lo[0] < 3 * SAMPLE_S:
         raise RuntimeError("the run was too short to measure: raise --output-len")
-    wall, cpu, gen_tokens, steps = (b - a for a, b in zip(lo, hi))
+    wall, cpu, process_cpu, gen_tokens, steps = (b - a for a, b in zip(lo, hi))
     return {"replicas": replicas, "rows": rows, "step_ms": step_s * 1e3, "steps": steps, "wall_s": wall,
-            "engine_cpu_s": cpu, "steps_per_s": steps / wall, "out_tok_per_s": gen_tokens / wall,
-            "cpu_ms_per_replica_step": cpu * 1e3 / steps, "engine_cores": cpu / wall,
+            "engine_cpu_s": cpu, "process_cpu_s": process_cpu, "steps_per_s": steps / wall,
+            "out_tok_per_s": gen_tokens / wall, "cpu_ms_per_replica_step": cpu * 1e3 / steps,
+            "process_cpu_ms_per_replica_step": process_cpu * 1e3 / steps, "engine_cores": cpu / wall,
             "of_ideal": (steps / wall) / (replicas / step_s) if step_s else None}
 
 
@@ -92,14 +112,15 @@ def run(a: argparse.Namespace) -> int:
     results: dict = {"rows": [], "replicas": [], "output_len": output_len, "prompt_len": prompt_len}
     try:
         print(f"# raylm bench --driver-capacity: fake workers, {prompt_len}-token prompts, {output_len} tokens "
-              f"each; {os.cpu_count()} CPUs; engine CPU = this process's, all threads")
+              f"each; {os.cpu_count()} CPUs; engine CPU: this process's threads but the caller's (with caller: all)")
         print(f"{'replicas':>8} {'rows':>5} {'step ms':>8} {'steps/s':>9} {'out tok/s':>10} "
-              f"{'CPU ms / replica-step':>22} {'engine cores':>13} {'of workers-only':>16}")
+              f"{'CPU ms / replica-step':>22} {'(with caller)':>14} {'engine cores':>13} {'of workers-only':>16}")
 
         def show(r: dict) -> None:
             share = "-" if r["of_ideal"] is None else f"{r['of_ideal']:.2f}"
             print(f"{r['replicas']:>8} {r['rows']:>5} {r['step_ms']:>8.1f} {r['steps_per_s']:>9.1f} "
-                  f"{r['out_tok_per_s']:>10.0f} {r['cpu_ms_per_replica_step']:>22.3f} {r['engine_cores']:>13.2f} "
+                  f"{r['out_tok_per_s']:>10.0f} {r['cpu_ms_per_replica_step']:>22.3f} "
+                  f"{r['process_cpu_ms_per_replica_step']:>14.3f} {r['engine_cores']:>13.2f} "
                   f"{share:>16}", flush=True)
 
         for rows in a.rows:
