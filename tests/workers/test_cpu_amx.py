@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.workers.argmax_cases import check_fused_argmax, tied_weight
 from workers.ops import cpu_amx, cpu_kernels, get_op_table
 
 pytestmark = pytest.mark.skipif(not cpu_amx.available(cpu_kernels.load()),
@@ -59,24 +60,11 @@ def test_greedy_ids_are_the_argmax_of_the_bf16_products(amx_all):
     """Each row's argmax over the first n outputs, ties to the lowest index and a NaN row to 0, as
     torch.argmax, across weight blocks split among threads."""
     gen = torch.Generator().manual_seed(2)
-    weight = torch.randn(1000, 64, generator=gen).bfloat16()
-    weight[700] = weight[3]  # logits tie in every row: the lower index must win
-    weight[900] = weight[3]
+    weight = tied_weight(torch.bfloat16, gen)
     ops = get_op_table("cpu", "cpu")
     handle = ops.prepare_linear(weight)
     assert isinstance(handle, cpu_amx.AMXWeight)
-    for rows in (1, 5, 16, 40, 300):
-        x = torch.randn(rows, 64, generator=gen).bfloat16()
-        x[0] = weight[3] * 50  # row 0's largest logit is the tied one, at 3, 700 and 900
-        if rows > 1:
-            x[1, 5] = float("nan")
-        for n in (1000, 950, 701, 17):  # the vocab trimmed: ids past n never win
-            want = ops.linear(x, handle)[:, :n].float().argmax(dim=-1)
-            got = ops.linear_argmax(x, handle, n)
-            assert got.dtype == torch.int64 and torch.equal(got, want), (rows, n)
-        assert ops.linear_argmax(x, handle, 1000)[0] == 3
-        if rows > 1:
-            assert ops.linear_argmax(x, handle, 1000)[1] == 0
+    x = check_fused_argmax(ops, handle, weight, torch.bfloat16, gen)
     with pytest.raises(RuntimeError, match="n must be in"):
         cpu_kernels.load().amx_linear_argmax(x, handle.packed, 2000)
 

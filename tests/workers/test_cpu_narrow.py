@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.workers.argmax_cases import check_fused_argmax, tied_weight
 from workers.ops import cpu_kernels, cpu_narrow, get_op_table
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="raylm's CPU kernels did not build here")
@@ -90,24 +91,11 @@ def test_the_lm_head_fused_with_the_argmax_picks_the_logits_argmax(small_weights
     the lowest index and a NaN row to 0 as torch.argmax, across panels split among threads."""
     monkeypatch.setenv(cpu_narrow.ENV, kept)
     gen = torch.Generator().manual_seed(2)
-    weight = torch.randn(1000, 64, generator=gen).bfloat16().float()
-    weight[700] = weight[3]  # logits tie in every row: the lower index must win
-    weight[900] = weight[3]
+    weight = tied_weight(torch.float32, gen)
     ops = get_op_table("cpu", "cpu")
     handle = ops.prepare_linear(weight)
     assert isinstance(handle, cpu_narrow.NarrowWeight)
-    for rows in (1, 5, 16, 40, 300):
-        x = torch.randn(rows, 64, generator=gen)
-        x[0] = weight[3] * 50  # row 0's largest logit is the tied one, at 3, 700 and 900
-        if rows > 1:
-            x[1, 5] = float("nan")
-        for n in (1000, 950, 701, 17):  # the vocab trimmed: ids past n never win
-            want = ops.linear(x, handle)[:, :n].argmax(dim=-1)
-            got = ops.linear_argmax(x, handle, n)
-            assert got.dtype == torch.int64 and torch.equal(got, want), (rows, n)
-        assert ops.linear_argmax(x, handle, 1000)[0] == 3
-        if rows > 1:
-            assert ops.linear_argmax(x, handle, 1000)[1] == 0
+    x = check_fused_argmax(ops, handle, weight, torch.float32, gen)
     with pytest.raises(RuntimeError, match="rows must be in"):
         cpu_kernels.load().narrow_linear_argmax(x, handle.narrow, 2000)
 
