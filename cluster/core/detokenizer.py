@@ -31,9 +31,16 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         self._stop = stop
         self._holdback = max((len(s) for s in stop), default=1) - 1
-        self.text = ""
+        # the text is the deltas handed out, then what is not yet: appending to one string would copy
+        # all of it every token (quadratic in a long output); the unsent tail is a step's text or so
+        self._sent: list[str] = []
+        self._pending = ""
         self.stop_reason: str | None = None
-        self._emitted = 0  # characters of self.text already handed out as deltas
+
+    @property
+    def text(self) -> str:
+        """All of the text so far (cut before a stop string)."""
+        return "".join(self._sent) + self._pending
 
     def append(self, token_ids: list[int]) -> str | None:
         """Add generated tokens; return the stop string they completed, if any."""
@@ -60,22 +67,24 @@ class IncrementalDetokenizer:
 
     def take_delta(self, final: bool = False) -> str:
         """Text not yet handed out; while not final, keep back what may begin a stop string."""
-        end = len(self.text) if final or self.stop_reason is not None else len(self.text) - self._holdback
-        if end <= self._emitted:
+        pending = self._pending
+        end = len(pending) if final or self.stop_reason is not None else len(pending) - self._holdback
+        if end <= 0:
             return ""
-        delta = self.text[self._emitted:end]
-        self._emitted = end
+        delta, self._pending = pending[:end], pending[end:]
+        self._sent.append(delta)
         return delta
 
     def _grow(self, new_text: str) -> None:
-        start = max(0, len(self.text) - self._holdback)
-        self.text += new_text
+        # a stop string may begin in the last holdback characters, which take_delta never hands out early
+        start = max(0, len(self._pending) - self._holdback)
+        self._pending += new_text
         if not self._stop:
             return
         best = -1
         for s in self._stop:
-            i = self.text.find(s, start)
+            i = self._pending.find(s, start)
             if i != -1 and (best == -1 or i < best):
                 best, self.stop_reason = i, s
         if best != -1:
-            self.text = self.text[:best]
+            self._pending = self._pending[:best]
