@@ -30,14 +30,9 @@ venv: $(BIN)/.installed $(BIN)/.kernels
 run: venv
 	$(BIN)/raylm generate "北京故宫是" --max-tokens 128
 
-# Everything, Ray included: what needs no Ray runs on every core (pytest-xdist, one torch thread
-# per worker so they do not spin against each other); then the Ray tests (engine starts, restarts,
-# timeouts), a test file at a time on each of RAY_TEST_WORKERS workers, each with a local Ray of
-# its own. They keep every core busy (vmstat: ~0% idle throughout; most of it is Ray's and the
-# workers' own processes starting and importing torch), so one worker per core: on 2 cores at
-# 4b00e2b they took 350 s on 2 workers against 383-412 s on 3 (earlier: 379 s on 3, 436 s on 4);
-# the rest ~60 s. A fresh clone's whole make test: 10.9 minutes at df06ae3 with 3 workers, 9.5
-# with 2 (2026-12-02 00:58 UTC; its venv ~2.7 minutes).
+# Everything, Ray included: what needs no Ray on every core, then the Ray tests a file at a time,
+# one worker per core (more is slower: they keep every core busy starting Ray and importing
+# torch). docs/development.md says more, and how long a fresh clone's run takes.
 TEST_WORKERS ?= $(shell nproc)
 RAY_TEST_WORKERS ?= $(TEST_WORKERS)
 test: venv
