@@ -113,7 +113,7 @@ class ModelRunner:
         graph_device, use_graphs = self._allocate_kv_cache(config, parallel)
         self.slots = SlotTable(max_num_seqs=config.max_num_seqs, num_blocks=self.num_kv_blocks,
                                block_size=config.block_size, max_model_len=self.max_model_len,
-                               vocab_size=mc.vocab_size)
+                               vocab_size=mc.vocab_size, max_num_batched_tokens=config.max_num_batched_tokens)
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)  # [slots]
         self.outputs = ResidentOutputs(self.device)
         self.sampler = Sampler(self.device, seed=config.seed, buffers=self.outputs)  # its scratch is resident too
@@ -215,9 +215,6 @@ class ModelRunner:
         t0 = time.perf_counter()
         if not isinstance(plan, StepPlan):
             raise ValueError(f"execute takes a StepPlan, got {type(plan).__name__}")
-        if plan.num_tokens > self.config.max_num_batched_tokens:
-            raise ValueError(f"step {plan.step_id} schedules {plan.num_tokens} tokens, "
-                             f"more than max_num_batched_tokens {self.config.max_num_batched_tokens}")
         if self.parallel.rank == 0:
             self.grammars.check_new(plan.new_requests)  # compiles before the plan changes anything
         rows = self.slots.apply(plan)

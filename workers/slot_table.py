@@ -43,8 +43,9 @@ class RowWork:
 
 class SlotTable:
     def __init__(self, *, max_num_seqs: int, num_blocks: int, block_size: int, max_model_len: int,
-                 vocab_size: int) -> None:
+                 vocab_size: int, max_num_batched_tokens: int | None = None) -> None:
         self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens  # None: no limit
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -58,6 +59,10 @@ class SlotTable:
         self.states.clear()
 
     def apply(self, plan: StepPlan) -> list[RowWork]:
+        limit = self.max_num_batched_tokens
+        if limit is not None and plan.num_tokens > limit:
+            raise ValueError(f"step {plan.step_id} schedules {plan.num_tokens} tokens, "
+                             f"more than max_num_batched_tokens {limit}")
         dropped = set(plan.finished) | set(plan.preempted)
         admitted: dict[int, SlotState] = {}
         for req in plan.new_requests:

@@ -123,3 +123,13 @@ def test_one_bad_row_leaves_the_good_rows_and_admissions_unapplied():
     with pytest.raises(ValueError, match="token 100"):
         table.apply(plan)
     assert table.states == before
+
+
+def test_a_plan_over_the_token_budget_is_refused_before_anything_changes():
+    table = admitted(make_table(max_num_batched_tokens=8), slot=0)
+    before = copy.deepcopy(table.states)
+    plan = StepPlan(3, new_requests=[new(1, range(20, 30), blocks=(4, 5, 6))], rows=[ScheduledRow(1, 9)])
+    with pytest.raises(ValueError, match="step 3 schedules 9 tokens, more than max_num_batched_tokens 8"):
+        table.apply(plan)
+    assert table.states == before
+    assert len(make_table().apply(plan)) == 1  # without a budget the same plan applies

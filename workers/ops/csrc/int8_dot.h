@@ -295,19 +295,20 @@ inline bool panel_rows_amx(const int8_t* const* w, int nw, int64_t rows, int64_t
   for (int64_t n = 0; n < m; ++n) std::copy(x[n], x[n] + Kp, xs.data() + n * Kp);
   std::fill(xs.data() + m * Kp, xs.data() + mp * Kp, encode(0));
   raylm::amx::configure();
-  const int64_t panels = (rows + PR - 1) / PR, stride = Kq * 64;
-  std::vector<const int8_t*> pw;  // every matrix's panels, in pairs (a gate panel beside its up panel)
-  std::vector<const int32_t*> ps;
-  std::vector<int32_t*> po;
-  for (int64_t p = 0; p < panels; ++p)
-    for (int j = 0; j < nw; ++j) {
-      pw.push_back(w[j] + p * stride);
-      ps.push_back(wsum[j] + p * PR);
-      po.push_back(y[j] + p * PR);
+  const int64_t stride = Kq * 64, items = (rows + PR - 1) / PR * nw;  // item i: matrix i % nw's panel i / nw
+  for (int64_t i = 0; i < items; i += 2) {  // in pairs: a gate panel beside its up panel
+    const int np = i + 1 < items ? 2 : 1;
+    const int8_t* pw[2];
+    const int32_t* ps[2];
+    int32_t* po[2];
+    for (int k = 0; k < np; ++k) {
+      const int64_t p = (i + k) / nw, j = (i + k) % nw;
+      pw[k] = w[j] + p * stride;
+      ps[k] = wsum[j] + p * PR;
+      po[k] = y[j] + p * PR;
     }
-  for (size_t i = 0; i < pw.size(); i += 2)
-    amx_two_panels(pw.data() + i, ps.data() + i, po.data() + i, i + 1 < pw.size() ? 2 : 1, Kp, xs.data(), m, mp,
-                   ldy);
+    amx_two_panels(pw, ps, po, np, Kp, xs.data(), m, mp, ldy);
+  }
   _tile_release();
   return true;
 }

@@ -290,6 +290,32 @@ inline void scores8_dpbf16(const uint16_t* const* q, const uint16_t* k, int64_t 
     out[g] = sum8(h);
   }
 }
+
+// scaled scores of a block's m positions for the group of query heads from qh0 that share one KV
+// head's keys kb (bf16 q and pool), two heads at a time; sc[qh * len + o] for position o
+template <int64_t HEAD_DIM>
+inline void scores_dpbf16(const uint16_t* qbf, const float* qt, const uint16_t* kb, int64_t qh0, int64_t group,
+                          int64_t head_dim, int64_t m, int64_t row_stride, float* sc, int64_t len, float scale) {
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int64_t j = 0; j < group; j += 2) {
+    const int gs = j + 2 <= group ? 2 : 1;
+    const int64_t qh = qh0 + j;
+    const uint16_t* q2[2] = {qbf + qh * head_dim, qbf + (qh + gs - 1) * head_dim};
+    int64_t o = 0;
+    for (; o + 8 <= m; o += 8) {
+      __m256 s8[2];
+      if (gs == 2) {
+        scores8_dpbf16<2, HEAD_DIM>(q2, kb + o * row_stride, row_stride, head_dim, s8);
+      } else {
+        scores8_dpbf16<1, HEAD_DIM>(q2, kb + o * row_stride, row_stride, head_dim, s8);
+      }
+      for (int g = 0; g < gs; ++g) _mm256_storeu_ps(sc + (qh + g) * len + o, _mm256_mul_ps(s8[g], vscale));
+    }
+    for (; o < m; ++o)
+      for (int g = 0; g < gs; ++g)
+        sc[(qh + g) * len + o] = dot<BF16>(qt + (qh + g) * head_dim, kb + o * row_stride, head_dim) * scale;
+  }
+}
 #endif
 
 // acc[g][0 .. W NV) += sum over the block's m positions of w[g][o] * v[o][0 .. W NV), for GS query
@@ -381,33 +407,16 @@ void attend_all_avx2(typename E::T* op, const typename E::T* qp, const typename 
       for_each_block(kp, table, len, block_size, block_stride, row_stride, [&](int64_t p0, int64_t m, const T* base) {
         for (int64_t h = 0; h < num_kv_heads; ++h) {
           const T* kb = base + h * head_dim;
-          int64_t j = 0;
 #ifdef RAYLM_ATTENTION_DPBF16
           if constexpr (std::is_same_v<E, BF16>) {
             if (head_dim % 32 == 0) {
-              const T* qbf = qp + t * num_heads * head_dim;
-              for (; j < group; j += 2) {
-                const int gs = j + 2 <= group ? 2 : 1;
-                const int64_t qh = h * group + j;
-                const T* q2[2] = {qbf + qh * head_dim, qbf + (qh + gs - 1) * head_dim};
-                int64_t o = 0;
-                for (; o + 8 <= m; o += 8) {
-                  __m256 s8[2];
-                  if (gs == 2) {
-                    scores8_dpbf16<2, HEAD_DIM>(q2, kb + o * row_stride, row_stride, head_dim, s8);
-                  } else {
-                    scores8_dpbf16<1, HEAD_DIM>(q2, kb + o * row_stride, row_stride, head_dim, s8);
-                  }
-                  for (int g = 0; g < gs; ++g) _mm256_storeu_ps(sc + (qh + g) * len + p0 + o, _mm256_mul_ps(s8[g], vscale));
-                }
-                for (; o < m; ++o)
-                  for (int g = 0; g < gs; ++g)
-                    sc[(qh + g) * len + p0 + o] = dot<E>(qt + (qh + g) * head_dim, kb + o * row_stride, head_dim) * scale;
-              }
+              scores_dpbf16<HEAD_DIM>(qp + t * num_heads * head_dim, qt, kb, h * group, group, head_dim, m,
+                                      row_stride, sc + p0, len, scale);
+              continue;
             }
           }
 #endif
-          for (; j < group; ++j) {
+          for (int64_t j = 0; j < group; ++j) {
             const int64_t qh = h * group + j;
             const float* q = qt + qh * head_dim;
             float* srow = sc + qh * len + p0;
