@@ -158,28 +158,52 @@ def test_fused_elementwise_kernels_round_bf16_and_fp16_where_the_reference_does(
     torch.testing.assert_close(ops.rms_norm(x, wide, 1e-6), ref.rms_norm(x, wide, 1e-6))
 
 
+BF16_TIE = 0.125  # top-two logits closer than this are a tie at bf16's precision (8 bits; logits ~10)
+
+
 @needs_cxx
-def test_a_bf16_model_through_the_cpu_table_greedy_equals_the_reference_table(monkeypatch):
-    """The bundled tiny model in bf16: the fused kernels' roundings follow HF's, so greedy tokens
-    equal the reference table's token for token."""
+def test_a_bf16_model_through_the_cpu_table_picks_the_reference_tables_greedy_tokens(monkeypatch):
+    """The bundled tiny model in bf16, teacher-forced on the reference table's greedy tokens: at
+    every step the CPU table's argmax is the reference's, except where the reference's top two
+    logits are a tie at bf16's precision (the kernels sum in another order than torch; which CPU
+    features they use, e.g. vdpbf16ps, changes the last bits)."""
     from tests.plans import PlanDriver
     from workers.runner import ModelRunner
     from workers.runner_config import RunnerConfig
+    from workers.sampling.logits_codec import logits_tensor
 
     monkeypatch.setenv("RAYLM_CPU_ELEMENTWISE", "fused")
     prompts = [[5, 100, 200], list(range(10, 41)), [7] * 16, [1200, 3, 800, 44, 9, 1]]
-    tokens = {}
-    for table in ("reference", "cpu"):
+    steps = []  # per step: the reference's ids and the margin of each
+
+    def reference_ids(result):
+        logits = logits_tensor(result)
+        top2 = logits.topk(2, dim=-1).values
+        steps.append((logits.argmax(-1).tolist(), (top2[:, 0] - top2[:, 1]).tolist()))
+        return steps[-1][0]
+
+    followed, checked, ties = iter(steps), 0, 0
+
+    def cpu_ids(result):
+        nonlocal checked, ties
+        ids, margins = next(followed)
+        for got, want, margin in zip(logits_tensor(result).argmax(-1).tolist(), ids, margins):
+            checked += 1
+            ties += margin < BF16_TIE
+            assert got == want or margin < BF16_TIE, (got, want, margin)
+        return ids
+
+    for table, pick in (("reference", reference_ids), ("cpu", cpu_ids)):
         runner = ModelRunner(RunnerConfig(ops=table, dtype="bfloat16", block_size=4, num_kv_blocks=256,
-                                          max_num_seqs=8))
+                                          max_num_seqs=8, device_outputs=False))
         assert runner.stats()["ops"]["table"] == table
         if table == "cpu":
             assert runner.stats()["ops"]["elementwise"] == "fused-cpp"
-        driver = PlanDriver(runner, chunk_size=8)
+        driver = PlanDriver(runner, chunk_size=8, resident=False)  # host-logits: the driver's tokens go back
         for prompt in prompts:
             driver.add(prompt)
-        tokens[table] = driver.generate(24)
-    assert tokens["cpu"] == tokens["reference"]
+        driver.generate(24, pick)
+    assert checked >= len(prompts) * 24 and ties <= checked // 10  # mostly clear picks: the check has teeth
 
 
 @needs_cxx
