@@ -26,7 +26,7 @@ from cluster.config import EngineConfig
 from cluster.core.chat_template import encode_prompt, render_chat
 from cluster.core.detokenizer import IncrementalDetokenizer
 from cluster.core.metrics import EngineMetrics
-from cluster.core.placement import cpu_worker_threads, create_replica_groups, release, worker_resources
+from cluster.core.placement import cpu_worker_threads, place_replicas, worker_resources
 from cluster.core.replica import Replica
 from cluster.core.router import Router
 from cluster.core.stream import RequestStream, deliver
@@ -109,7 +109,7 @@ class LocalEngine:
                                             prefill_threads=prefill_threads)
                           for i in range(cfg.num_replicas)]
         self.device_outputs = runner_configs[0].device_outputs
-        groups = create_replica_groups(resources, cfg.num_replicas, cfg.placement_timeout_s, tp)
+        groups = place_replicas(resources, cfg.num_replicas, cfg.placement_timeout_s, tp)
         for i, (pg, runner_config) in enumerate(zip(groups, runner_configs)):
             self.replicas.append(Replica(i, cfg, runner_config, resources, pg, self._on_updates))
         try:
@@ -117,8 +117,8 @@ class LocalEngine:
                 list(pool.map(Replica.start, self.replicas))
         except BaseException:
             self.shutdown()
-            for pg in groups:
-                release(pg)
+            for placement in groups:
+                placement.release()
             raise
         info = self.replicas[0].info
         self.max_model_len = info["max_model_len"]

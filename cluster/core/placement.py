@@ -6,6 +6,11 @@ node). A worker asks for one unit of its accelerator resource ("NPU" or "GPU"; R
 sets ASCEND_RT_VISIBLE_DEVICES or CUDA_VISIBLE_DEVICES for it) plus CPUs for its threads.
 Where the cluster has several nodes that can hold a replica, replicas are pinned
 round-robin to different nodes.
+
+An engine that itself runs inside a placement group (a Ray Serve replica whose deployment
+asks for `placement_group_bundles`, cluster/serve/) makes no groups of its own: its ranks take
+that group's bundles in order, replica by replica, as vLLM's Ray executor takes the group it
+starts in. Whoever made the group removes it.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from workers.device import ray_resource_key
@@ -75,6 +80,48 @@ def _spread_nodes(resources: WorkerResources, num_replicas: int, ranks: int) -> 
     return [fitting[i % len(fitting)] for i in range(num_replicas)]
 
 
+@dataclass(frozen=True)
+class ReplicaPlacement:
+    """A replica's ranks: bundles `first_bundle`, `first_bundle + 1`, ... of `pg`; `owned`: made
+    for this replica (released with it), not borrowed from the group the engine runs in."""
+    pg: object
+    first_bundle: int = 0
+    owned: bool = True
+
+    def strategy(self, rank: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(placement_group=self.pg,
+                                                placement_group_bundle_index=self.first_bundle + rank)
+
+    def release(self) -> None:
+        if self.owned:
+            release(self.pg)
+
+
+def place_replicas(resources: WorkerResources, num_replicas: int, timeout_s: float,
+                   tensor_parallel_size: int = 1) -> list[ReplicaPlacement]:
+    """Where each replica's ranks go: the bundles of the placement group this process runs in,
+    if it runs in one, else a group of its own per replica (create_replica_groups)."""
+    current = get_current_placement_group()
+    if current is None:
+        return [ReplicaPlacement(pg) for pg in create_replica_groups(resources, num_replicas, timeout_s,
+                                                                     tensor_parallel_size)]
+    return borrowed_bundles(current.bundle_specs, resources, num_replicas, tensor_parallel_size, current)
+
+
+def borrowed_bundles(specs: list[dict], resources: WorkerResources, num_replicas: int, tensor_parallel_size: int,
+                     pg=None) -> list[ReplicaPlacement]:
+    """Replica r's rank k in bundle r * tensor_parallel_size + k of the caller's group (whose
+    bundle `specs` are given); a ValueError naming the bundles when they cannot hold the ranks."""
+    need = num_replicas * tensor_parallel_size
+    ask = resources.bundle()
+    short = [i for i, b in enumerate(specs[:need]) if any(b.get(k, 0) < v for k, v in ask.items())]
+    if len(specs) < need or short:
+        raise ValueError(f"this engine runs in a placement group with bundles {specs}: its {num_replicas} "
+                         f"replica(s) x tensor_parallel_size {tensor_parallel_size} need {need} bundle(s), each "
+                         f"holding at least {ask}" + (f" (bundle(s) {short} do not)" if short else ""))
+    return [ReplicaPlacement(pg, r * tensor_parallel_size, owned=False) for r in range(num_replicas)]
+
+
 PLACEMENT_REPORT_S = 5.0  # a replica not placed by then is reported (what it asked, what is free), then waited for
 
 
@@ -114,11 +161,6 @@ def _placement_shortfall(resources: WorkerResources, tensor_parallel_size: int) 
     shown = ", ".join(f"{k}: asks {v:g}, free {free.get(k, 0):g} of {total.get(k, 0):g}" for k, v in ask.items())
     return f"its {tensor_parallel_size} worker(s) must fit on one node ({shown}) in the Ray at " \
            f"{ray.get_runtime_context().gcs_address}"
-
-
-def scheduling_strategy(pg, rank: int = 0) -> PlacementGroupSchedulingStrategy:
-    """Rank `rank`'s bundle of a replica's group."""
-    return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=rank)
 
 
 def release(pg) -> None:

@@ -45,7 +45,6 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from cluster.config import EngineConfig
 from cluster.core.health import ReplicaHealth
-from cluster.core.placement import release, scheduling_strategy
 from cluster.errors import EngineDeadError
 from scheduler.grammar_spec import GrammarSpec
 from scheduler.protocol import StepResult, pack_int32, sampled_on_device
@@ -90,12 +89,12 @@ class _GrammarCompile:
 
 
 class Replica:
-    def __init__(self, index: int, config: EngineConfig, runner_config: RunnerConfig, resources, pg, emit):
+    def __init__(self, index: int, config: EngineConfig, runner_config: RunnerConfig, resources, placement, emit):
         self.index = index
         self.config = config
         self._runner_config = runner_config
         self._resources = resources
-        self._pg = pg
+        self._placement = placement  # a ReplicaPlacement: the bundles its ranks take
         self._emit = emit  # emit(replica, [RequestUpdate]): the loop thread's outputs, no lock held
         self._host_sampler = None  # host-logits mode: this replica's own Sampler (start() makes it)
         self._depth = config.pipeline_depth_for(runner_config.device_outputs)
@@ -152,7 +151,7 @@ class Replica:
         workers = [remote_worker().options(
             num_cpus=self._resources.num_cpus,
             resources={self._resources.accelerator: 1} if self._resources.accelerator else None,
-            scheduling_strategy=scheduling_strategy(self._pg, rank),
+            scheduling_strategy=self._placement.strategy(rank),
         ).remote() for rank in range(tp)]
         parallel = [None]
         if tp > 1:  # rank 0 hosts the rendezvous; the group's collectives time out after the driver's checks
@@ -191,7 +190,7 @@ class Replica:
             self._thread.join(timeout=30)
         self._kill_worker()
         self.health_state.state = "stopped"
-        release(self._pg)
+        self._placement.release()
 
     def _kill_worker(self) -> None:
         channels, self.channels = self.channels, []

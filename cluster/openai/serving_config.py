@@ -9,10 +9,16 @@ process, or in its own) takes this one whole. No uvicorn or pydantic import: the
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from cluster.openai.http_limits import HttpLimits
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+def served_model_name(model: str | None) -> str:
+    """The model id the API answers to by default: the checkpoint directory's name."""
+    return os.path.basename(os.path.normpath(model)) if model else "tiny-qwen3"
+
+
 HTTP_PROCESSES = ("engine", "process")  # where the server runs: the engine actor's process, or the CLI's own
 
 

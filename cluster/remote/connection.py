@@ -27,7 +27,7 @@ import ray
 import cluster.remote.messages as messages
 from cluster.core.stream import RequestStream, deliver
 from cluster.errors import EngineDeadError
-from cluster.outputs import StreamDelta, TokenLogprob
+from cluster.outputs import TokenLogprob
 from cluster.remote.outbox import DEFAULT_LEASE_S
 
 log = logging.getLogger(__name__)
@@ -143,18 +143,13 @@ class EngineConnection:
                     if entry is not None:
                         items.append((entry.stream, messages.refusal_error(*e[1:])))
                     continue
-                rid, text, token_ids, reason, lps, final = e
-                entry = self._open.get(rid)
+                entry = self._open.get(e[0])
                 if entry is None:
                     continue
-                logprobs = messages.entry_logprobs(lps)
-                if logprobs and entry.logprobs is not None:
-                    entry.logprobs.extend(logprobs)
-                output = None
-                if reason is not None:
-                    del self._open[rid]
-                    output = messages.entry_output(rid, entry.prompt, reason, final, entry.logprobs)
-                items.append((entry.stream, StreamDelta(rid, text, token_ids, logprobs, reason, output)))
+                delta = messages.entry_delta(e, entry.prompt, entry.logprobs)
+                if delta.finished:
+                    del self._open[e[0]]
+                items.append((entry.stream, delta))
         return items
 
     def _lost(self, error: BaseException) -> None:

@@ -102,6 +102,17 @@ def entry_logprobs(lps) -> list[TokenLogprob] | None:
     return [TokenLogprob(tid, tok, lp, [tuple(t) for t in top]) for tid, tok, lp, top in lps]
 
 
+def entry_delta(entry: list, prompt, logprobs: list[TokenLogprob] | None) -> StreamDelta:
+    """The StreamDelta of a delta entry; `logprobs` gathers the request's logprobs so far (None:
+    it asked for none) and goes into the final output; `prompt` is what the output names."""
+    rid, text, token_ids, reason, lps, final = entry
+    step_logprobs = entry_logprobs(lps)
+    if step_logprobs and logprobs is not None:
+        logprobs.extend(step_logprobs)
+    output = entry_output(rid, prompt, reason, final, logprobs) if reason is not None else None
+    return StreamDelta(rid, text, token_ids, step_logprobs, reason, output)
+
+
 def entry_output(request_id: str, prompt, finish_reason: str, final: list,
                  logprobs: list[TokenLogprob] | None) -> RequestOutput:
     prompt_ids, text, token_ids, stop_reason, error, m = final

@@ -15,13 +15,11 @@ import ray
 from ray.exceptions import RayTaskError
 
 from cluster.config import EngineConfig
-from cluster.core.chat_template import encode_prompt, render_chat
 from cluster.core.stream import RequestStream
+from cluster.remote.client_tokenizer import ClientTokenizer
 from cluster.remote.connection import EngineConnection
 from cluster.remote.engine_actor import NAMESPACE
 from cluster.remote.outbox import DEFAULT_LEASE_S
-
-_UNKNOWN = object()
 
 
 def _cause(e: RayTaskError) -> BaseException:
@@ -48,11 +46,7 @@ class RemoteEngine:
         self.max_model_len = info["max_model_len"]
         self.vocab_size = info["vocab_size"]
         self.sampling_defaults = info.get("sampling_defaults") or {}
-        self._tokenizer = None
-        self._local_tokenizer = _UNKNOWN
-        # now, not on the first request: loading it imports transformers and torch (seconds), and
-        # `raylm serve` tokenizes on its event loop, which would stall every request meanwhile
-        self.local_tokenizer()
+        self.client_tokenizer = ClientTokenizer(self.model_path, self.config.trust_request_chat_template)
         self.connection = EngineConnection(actor, lease_s=lease_s)
 
     @classmethod
@@ -66,28 +60,10 @@ class RemoteEngine:
 
     @property
     def tokenizer(self):
-        """The model's tokenizer, loaded here from the engine's model path (that path must
-        exist on this machine; generate/chat do not need it)."""
-        if self._tokenizer is None:
-            from workers.loader import load_tokenizer
-
-            self._tokenizer = load_tokenizer(self.model_path)
-        return self._tokenizer
-
-    def local_tokenizer(self):
-        """The tokenizer when this process can load it (the model's files are here), else
-        None: then templates and tokenizing are left to the engine."""
-        if self._local_tokenizer is _UNKNOWN:
-            try:
-                self._local_tokenizer = self.tokenizer
-            except Exception:  # a random-weights spec, or the files live on other nodes only
-                self._local_tokenizer = None
-        return self._local_tokenizer
+        return self.client_tokenizer.tokenizer
 
     def encode_text(self, prompt: str) -> list[int] | None:
-        """A text prompt's token ids as add_request would send them (None: the engine tokenizes)."""
-        tok = self.local_tokenizer()
-        return encode_prompt(tok, prompt) if tok is not None else None
+        return self.client_tokenizer.encode(prompt)
 
     def add_request(self, prompt, params=None, request_id: str | None = None, loop=None,
                     sink: RequestStream | None = None, group: str | None = None,
@@ -103,9 +79,9 @@ class RemoteEngine:
         return self.connection.submit(prompt, params, rid, loop, wire_prompt=wire, sink=sink, group=group)
 
     def apply_chat_template(self, messages, tools=None, template_kwargs=None) -> str:
-        tok = self.local_tokenizer()
-        if tok is not None:
-            return render_chat(tok, messages, tools, template_kwargs, self.config.trust_request_chat_template)
+        text = self.client_tokenizer.render(messages, tools, template_kwargs)
+        if text is not None:
+            return text
         return _get(self._actor.apply_chat_template.remote(messages, tools, template_kwargs))
 
     def abort(self, request_id: str) -> bool:

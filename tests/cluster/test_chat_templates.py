@@ -121,22 +121,25 @@ def test_the_opt_in_is_an_engine_config_field_and_a_serve_flag():
 
 
 @pytest.mark.parametrize("trust", [False, True])
-@pytest.mark.parametrize("renderer", ["LocalEngine", "RemoteEngine"])
+@pytest.mark.parametrize("renderer", ["LocalEngine", "ClientTokenizer"])
 def test_engines_and_their_clients_render_with_the_configs_opt_in(tok, trust, renderer):
-    """Engine renders for launched handles, RemoteEngine (with the model's files at hand) for connected ones."""
+    """The engine renders for launched handles, ClientTokenizer (with the model's files at hand) for connected
+    handles and the Serve ingress."""
     from cluster.core.engine import LocalEngine
-    from cluster.remote.remote_engine import RemoteEngine
+    from cluster.remote.client_tokenizer import ClientTokenizer
 
     config = EngineConfig(trust_request_chat_template=trust)
-    apply = LocalEngine.apply_chat_template if renderer == "LocalEngine" else RemoteEngine.apply_chat_template
-    engine = SimpleNamespace(config=config, tokenizer=tok, local_tokenizer=lambda: tok,
-                             _need_tokenizer=lambda what: None)
+    if renderer == "LocalEngine":
+        engine = SimpleNamespace(config=config, tokenizer=tok, _need_tokenizer=lambda what: None)
+        apply = lambda *args: LocalEngine.apply_chat_template(engine, *args)  # noqa: E731
+    else:  # what RemoteEngine and the Serve ingress render with, the model's files at hand
+        apply = ClientTokenizer("unused", trust, tokenizer=tok).render
     kwargs = {"chat_template": "{{ messages[-1].content }}"}
     if trust:
-        assert apply(engine, CHAT, None, kwargs) == "Hi there"
+        assert apply(CHAT, None, kwargs) == "Hi there"
     else:
         with pytest.raises(ValueError, match="^chat_template: "):
-            apply(engine, CHAT, None, kwargs)
+            apply(CHAT, None, kwargs)
 
 
 def test_options_of_hfs_apply_chat_template_are_not_template_variables(tok):
