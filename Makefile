@@ -66,6 +66,12 @@ test-fuzz: venv
 lint: venv
 	$(BIN)/ruff check .
 
+# raylm as a Ray Serve application (tests/serve): two engines on a two-node local Ray (ray.cluster_utils,
+# faked NPUs), the openai client, prefix routing, an engine killed under a flood, autoscaling 1 -> 2 -> 1.
+.PHONY: test-serve
+test-serve: venv
+	$(BIN)/python -m pytest -q -m serve tests/serve
+
 # `ray up` of deploy/ascend-cluster.yaml on loopback nodes of this machine (root + apt).
 .PHONY: test-deploy
 test-deploy: venv

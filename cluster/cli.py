@@ -19,7 +19,7 @@ from cluster.openai.http_limits import (
     DEFAULT_TIMEOUT_KEEP_ALIVE_S,
     HttpLimits,
 )
-from cluster.openai.serving_config import DEFAULT_MAX_BODY_BYTES, ServingConfig
+from cluster.openai.serving_config import DEFAULT_MAX_BODY_BYTES, ServingConfig, served_model_name
 from workers.runner_config import QUANTIZATIONS
 
 log = logging.getLogger("raylm")
@@ -123,10 +123,6 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
-def served_model_name(model: str | None) -> str:
-    return os.path.basename(os.path.normpath(model)) if model else "tiny-qwen3"
-
-
 def resolve_api_key(flag: str | None, key_file: str | None = None) -> str | None:
     """--api-key-file's first line, else --api-key, else RAYLM_API_KEY, else no key (then
     bind only to trusted interfaces). A key given as --api-key shows in the process list
@@ -172,6 +168,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise ValueError(f"--frontend engine serves HTTP from the engine actor on this node, which a Ray Client "
                          f"address ({a.address}) does not make part of the cluster; use --frontend process")
     cluster.ensure_ray(a.address)
+    if a.engines is not None:
+        return _serve_with_ray_serve(a, cfg, serving)
     if serving.http_process == "process":
         return _serve_from_this_process(a, cfg, serving)
     return _serve_in_engine(a, cfg, serving)
@@ -221,6 +219,38 @@ def _serve_in_engine(a, cfg, serving: ServingConfig) -> int:
             stop.wait(2.0)
     finally:
         ray.kill(actor, no_restart=True)  # the engine lives as long as this command
+    return 0
+
+
+def _serve_with_ray_serve(a, cfg, serving: ServingConfig) -> int:
+    """`--engines N`: the Ray Serve application (cluster/serve/app.py), N engines behind Serve's
+    HTTP proxy (from N to --max-engines under Serve's autoscaling); runs until interrupted."""
+    from ray import serve
+
+    from cluster.serve.app import build_openai_app
+
+    autoscaling = None
+    if a.max_engines is not None:
+        if a.max_engines < a.engines:
+            raise ValueError(f"--max-engines must be >= --engines ({a.engines}), got {a.max_engines}")
+        autoscaling = {"min_replicas": a.engines, "max_replicas": a.max_engines}
+    app = build_openai_app(cfg, num_engines=a.engines, autoscaling_config=autoscaling,
+                           served_model_name=serving.model_names[0], api_key=serving.api_key,
+                           metrics_without_auth=serving.metrics_without_auth, max_body_bytes=serving.max_body_bytes,
+                           access_log=serving.access_log)
+    serve.start(http_options={"host": serving.host, "port": serving.port})
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    log.info("starting %d engine(s) under Ray Serve; HTTP on %s", a.engines, serving.url)
+    try:
+        serve.run(app, name=a.name, route_prefix="/", blocking=False)
+        log.info("serving on %s", serving.url)
+        stop.wait()
+    finally:
+        serve.delete(a.name)
+        if not serve.status().applications:  # Serve started for this app alone: its proxy frees the port
+            serve.shutdown()
     return 0
 
 
@@ -331,6 +361,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU cores left to the HTTP server and engine actor when --threads-per-worker is not given "
                         "(device cpu; default 1: a worker's torch threads stall whenever another process takes "
                         "one of their cores)")
+    h.add_argument("--engines", type=int, default=None, metavar="N",
+                   help="serve as a Ray Serve application of N engines, each with its own workers, behind Serve's "
+                        "HTTP proxy (requests routed by cached prefix, then load); default: one engine, no Serve")
+    h.add_argument("--max-engines", type=int, default=None, metavar="M",
+                   help="with --engines N: let Serve's autoscaler run N to M engines on ongoing requests")
     a.add_argument("--frontend", choices=("engine", "process"), default="engine",
                    help="where the HTTP server runs: 'engine' (the default), inside the engine actor's process, "
                         "no channel between them; 'process', in this process, a frontend of the engine over "

@@ -14,7 +14,7 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if "ray_session" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)
-    _deselect_deploy_unless_asked(config, items)
+    _deselect_opt_in_unless_asked(config, items)
 
 
 @pytest.fixture(scope="session")
@@ -26,13 +26,17 @@ def ray_session():
     ray.shutdown()
 
 
-def _deselect_deploy_unless_asked(config, items) -> None:
+OPT_IN = ("deploy", "serve")  # suites run only when a -m expression names them
+
+
+def _deselect_opt_in_unless_asked(config, items) -> None:
     """Tests marked `deploy` install and start system services (sshd, a two-node Ray
-    cluster): they run only when asked for by marker (`make test-deploy`: -m deploy),
-    never as part of a plain `pytest` / `make test`, whatever other -m is given."""
-    if "deploy" in (config.getoption("markexpr") or ""):
-        return
-    kept = [item for item in items if item.get_closest_marker("deploy") is None]
+    cluster) and tests marked `serve` start a multi-node Ray of their own with Ray Serve: they
+    run only when asked for by marker (`make test-deploy`: -m deploy, `make test-serve`:
+    -m serve), never as part of a plain `pytest` / `make test`, whatever other -m is given."""
+    asked = config.getoption("markexpr") or ""
+    skipped = [m for m in OPT_IN if m not in asked]
+    kept = [item for item in items if not any(item.get_closest_marker(m) for m in skipped)]
     if len(kept) != len(items):
         config.hook.pytest_deselected(items=[item for item in items if item not in kept])
         items[:] = kept

@@ -172,6 +172,9 @@ def add_parser(sub) -> None:
                         "--output-len, --rate and --batch-size (max_num_seqs)")
     b.add_argument("--max-waiting-requests", type=int, default=None,
                    help="with --serve-http: the server's queue bound (a flood beyond it gets 429)")
+    b.add_argument("--through-serve", action="store_true",
+                   help="with --serve-http: also serve as the Ray Serve application of one engine (raylm serve "
+                        "--engines 1) and print its throughput against raylm serve's")
     b.add_argument("--in-process", action="store_true",
                    help="with --serve-http: the same requests through cluster.launch() too, for the ratio")
     b.add_argument("--repeat", type=int, default=1,
@@ -181,6 +184,9 @@ def add_parser(sub) -> None:
     b.add_argument("--driver-capacity", action="store_true",
                    help="the engine's own cost per step with fake workers (no model): --rows, --replicas, "
                         "--fake-step-ms")
+    b.add_argument("--engines", type=_int_list, default=None,
+                   help="with --driver-capacity: instead, N engines under Ray Serve (e.g. 1,2), steps a second of "
+                        "all against the first count's")
     b.add_argument("--rows", type=_int_list, default=[1, 16, 64, 256],
                    help="with --driver-capacity: running rows of one replica (its largest but one: each replica's "
                         "in the replicas sweep)")

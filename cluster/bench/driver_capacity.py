@@ -14,6 +14,12 @@ all at once (ignore_eos, --output-len tokens each), measured over the run's stea
   take --fake-step-ms (a device's decode step): steps a second against the R / step_time the
   workers alone would allow. Where that share falls, the engine limits, not the workers.
 
+- engines (--engines, e.g. 1,2): the Ray Serve application (cluster/serve/) of N engines, each
+  one fake replica of --rows' largest-but-one count whose steps take no time, driven from this
+  process through Serve's handle (connect_app): steps a second of all engines together, against
+  one engine's. Each engine is a process of its own, so past one engine the limit is cores, not
+  one GIL.
+
 Prompts are --input-len tokens of the bundled tiny model's vocabulary (its tokenizer detokenizes
 the outputs); the model's weights are never loaded.
 """
@@ -103,6 +109,42 @@ def _run_once(*, replicas: int, rows: int, step_s: float, prompt_len: int, outpu
             "of_ideal": (steps / wall) / (replicas / step_s) if step_s else None}
 
 
+ENGINE_TOKENS = 2_000  # a request's tokens in the engines sweep: waves of a second or more, not Serve's overhead
+
+
+def _run_engines(*, engines: int, rows: int, prompt_len: int, output_len: int, seed: int) -> dict:
+    """N engines of one fake replica each under Ray Serve, WAVES times the requests they hold at
+    once, all submitted together; steps a second over the whole run (output tokens / rows)."""
+    from ray import serve
+
+    from cluster import SamplingParams
+    from cluster.serve import build_openai_app, connect_app
+
+    rng = random.Random(seed)
+    requests = WAVES * engines * rows
+    prompts = [[rng.randrange(4, 1000) for _ in range(prompt_len)] for _ in range(requests)]
+    blocks = 2 * -(-(prompt_len + output_len) // 16) * rows + 16
+    config = dict(fake_step_s=0.0, max_num_seqs=rows, num_kv_blocks=blocks,
+                  max_num_batched_tokens=max(2048, rows * prompt_len), max_waiting_requests=requests)
+    name = "raylm-driver-capacity"
+    serve.start(proxy_location="Disabled")
+    serve.run(build_openai_app(config, num_engines=engines, max_ongoing_requests=requests), name=name,
+              route_prefix=None)
+    try:
+        h = connect_app(name)
+        h.generate([prompts[0]] * engines * 2, SamplingParams(max_tokens=2, ignore_eos=True))
+        t0 = time.perf_counter()
+        outs = h.generate(prompts, SamplingParams(max_tokens=output_len, ignore_eos=True))
+        wall = time.perf_counter() - t0
+    finally:
+        serve.delete(name)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    if tokens != requests * output_len:
+        raise RuntimeError(f"fake workers returned {tokens} tokens, {requests * output_len} were asked for")
+    return {"engines": engines, "rows": rows, "wall_s": wall, "out_tok_per_s": tokens / wall,
+            "steps_per_s": tokens / rows / wall}
+
+
 def run(a: argparse.Namespace) -> int:
     import cluster
 
@@ -111,6 +153,9 @@ def run(a: argparse.Namespace) -> int:
     owns_ray = cluster.ensure_ray(a.address)
     results: dict = {"rows": [], "replicas": [], "output_len": output_len, "prompt_len": prompt_len}
     try:
+        if a.engines:
+            run_engines(a, a.rows[-2] if len(a.rows) > 1 else a.rows[0], prompt_len, results)
+            return 0
         print(f"# raylm bench --driver-capacity: fake workers, {prompt_len}-token prompts, {output_len} tokens "
               f"each; {os.cpu_count()} CPUs; engine CPU: this process's threads but the caller's (with caller: all)")
         print(f"{'replicas':>8} {'rows':>5} {'step ms':>8} {'steps/s':>9} {'out tok/s':>10} "
@@ -139,7 +184,23 @@ def run(a: argparse.Namespace) -> int:
             import ray
 
             ray.shutdown()
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=1)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(results, f, indent=1)
     return 0
+
+
+def run_engines(a: argparse.Namespace, rows: int, prompt_len: int, results: dict) -> None:
+    """The engines sweep: steps a second of N engines against one's."""
+    output_len = max(a.output_len[1], ENGINE_TOKENS)
+    results["engines"] = []
+    print(f"# engines under Ray Serve, one fake replica of {rows} rows each, steps take no time, {output_len} "
+          f"tokens a request")
+    print(f"{'engines':>8} {'steps/s':>9} {'out tok/s':>10} {'vs the first':>13}")
+    for n in a.engines:
+        r = _run_engines(engines=n, rows=rows, prompt_len=prompt_len, output_len=output_len, seed=a.seed)
+        r["vs_first"] = r["steps_per_s"] / (results["engines"][0] if results["engines"] else r)["steps_per_s"]
+        results["engines"].append(r)
+        print(f"{n:>8} {r['steps_per_s']:>9.1f} {r['out_tok_per_s']:>10.0f} {r['vs_first']:>12.2f}x",
+              flush=True)
+

@@ -7,7 +7,10 @@ concurrent clients, all at once or as a Poisson process at --rate, and reports w
 vLLM's serving benchmark reports: request and output-token throughput, TTFT, TPOT (per
 request: (latency - TTFT) / (tokens - 1)), ITL (the gaps between streamed chunks) and
 end-to-end latency, as mean, median and p99. `--in-process` also runs the same requests
-through `cluster.launch()` in this process (no HTTP), for the served/in-process ratio.
+through `cluster.launch()` in this process (no HTTP), for the served/in-process ratio;
+`--through-serve` also serves them as the Ray Serve application of one engine
+(`raylm serve --engines 1`: Serve's proxy, the ingress deployment, the engine deployment), for
+what Serve's path costs against `raylm serve`'s one process.
 """
 
 from __future__ import annotations
@@ -351,13 +354,13 @@ def print_figures(name: str, f: dict, out=sys.stdout) -> None:
               file=out)
 
 
-SERVED, IN_PROCESS = "raylm serve (HTTP)", "raylm in-process"
+SERVED, IN_PROCESS, THROUGH_SERVE = "raylm serve (HTTP)", "raylm in-process", "raylm serve --engines 1 (Ray Serve)"
 # WARM_UP: each pass first runs the whole workload untimed. A fresh engine's first burst ran 15-25%
 # slower than the ones after it, served and in-process alike (4.0-4.9K vs 5.3-6.8K out tok/s served on
 # a 2-core EPYC; its batch shapes are new to the worker), and eight short requests warmed too little of it.
 
 
-def _served_pass(serve_args, log_path, name, prompts, output_len, rate, seed) -> dict:
+def _served_pass(serve_args, log_path, name, prompts, output_len, rate, seed, label=SERVED) -> dict:
     with ServeProcess(serve_args, log_path) as srv:
         run_loop(drive(srv.base, name, prompts, output_len, rate, seed))  # warm-up: see WARM_UP
         cpu0 = time.thread_time()  # this thread runs the clients' event loop
@@ -365,7 +368,7 @@ def _served_pass(serve_args, log_path, name, prompts, output_len, rate, seed) ->
         f = figures(records, elapsed)
         f["client_cpu_s"] = time.thread_time() - cpu0
         f["after"] = engine_state(srv.base)
-    print_figures(SERVED, f)
+    print_figures(label, f)
     print(f"  afterwards: {f['after']}; the clients' CPU: {f['client_cpu_s']:.2f} s", flush=True)
     return f
 
@@ -421,6 +424,9 @@ def run(a) -> int:
     passes = {SERVED: lambda: _served_pass(serve_args, log_path, name, prompts, output_len, rate, a.seed)}
     if a.in_process:
         passes[IN_PROCESS] = lambda: _in_process_pass(engine, prompts, output_len)
+    if a.through_serve:
+        passes[THROUGH_SERVE] = lambda: _served_pass(serve_args + ["--engines", "1"], log_path, name, prompts,
+                                                     output_len, rate, a.seed, THROUGH_SERVE)
     for r in range(rounds):
         suffix = f" #{r + 1}" if rounds > 1 else ""
         got = {}
@@ -429,6 +435,9 @@ def run(a) -> int:
         if a.in_process:
             ratios.append(got[SERVED]["output_throughput"] / got[IN_PROCESS]["output_throughput"])
             print(f"served / in-process output throughput: {ratios[-1]:.2f}x", flush=True)
+        if a.through_serve:
+            print(f"Ray Serve / raylm serve output throughput: "
+                  f"{got[THROUGH_SERVE]['output_throughput'] / got[SERVED]['output_throughput']:.2f}x", flush=True)
     if len(ratios) > 1:
         print(f"served / in-process over {len(ratios)} alternating rounds: median {statistics.median(ratios):.2f}x "
               f"({', '.join(f'{x:.2f}' for x in ratios)})")

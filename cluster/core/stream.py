@@ -158,7 +158,11 @@ def deliver(items: list[tuple]) -> None:
         else:
             stream._mark(item)
             by_loop[stream._loop].append((stream, item))
+    here = asyncio._get_running_loop()  # a producer on the consumer's own loop hands over without a wake-up
     for loop, pairs in by_loop.items():
+        if loop is here:
+            _put_all(pairs)
+            continue
         try:
             loop.call_soon_threadsafe(_put_all, pairs)
         except RuntimeError:  # that loop is closed: nobody is listening

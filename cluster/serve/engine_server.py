@@ -1,0 +1,99 @@
+"""EngineServer: one raylm engine as a Ray Serve replica (the "RaylmEngine" deployment).
+
+Each Serve replica is a whole LocalEngine: its scheduler(s), step loops, detokenizer, and the
+worker actors it starts. The deployment's `placement_group_bundles` ask for those workers'
+resources (a bundle per rank: its NPU / GPU and CPUs); Serve reserves them as one placement
+group before the replica starts and the engine puts its ranks in those bundles
+(cluster/core/placement.py), so an engine and its workers are placed, scaled and replaced as
+one unit. The replica itself asks for no CPU of its own and shares bundle 0 with rank 0.
+
+Requests come from the ingress through Serve's DeploymentHandle, one call per request:
+`generate([request_id, prompt, params, group])` streams that request's deltas, each item the
+msgpack of every delta that arrived since the last item (cluster/remote/messages.py's entries).
+The first delta leaves at once (time to first token is not delayed); later ones are held until
+`stream_interval_ms` has passed since the last item (or the request ends), as Ray Serve LLM batches
+its streams: each item costs a Ray object and a wake-up in three processes (engine, ingress,
+Serve's proxy), which at one token per item was most of the path's cost (docs/benchmarks.md).
+Serve cancelling the call (the client went away) aborts the request.
+
+`check_health` is Serve's health check: it fails only when no replica of this engine can serve
+and none is on its way back (every one gave up or stopped), so Serve replaces an engine that
+cannot recover by itself and leaves one alone while it restarts a worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import cluster.remote.messages as messages
+from cluster.config import EngineConfig
+
+DEFAULT_STREAM_INTERVAL_MS = 50.0
+
+
+def check_stream_interval_ms(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 10_000:
+        raise ValueError(f"stream_interval_ms must be a number of milliseconds in [0, 10000], got {value!r}")
+
+
+class EngineServer:
+    async def __init__(self, config: dict, stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS):
+        from cluster.core.engine import LocalEngine
+
+        check_stream_interval_ms(stream_interval_ms)
+        self.stream_interval_s = stream_interval_ms / 1000
+        self.engine = LocalEngine(EngineConfig(**config))
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.start)
+
+    def info(self) -> dict:
+        e = self.engine
+        return {"config": e.config.to_dict(), "model_path": e.model_path, "max_model_len": e.max_model_len,
+                "vocab_size": e.vocab_size, "sampling_defaults": e.sampling_defaults}
+
+    async def generate(self, request: list):
+        """One request's deltas, in batches: [request_id, prompt (text or token ids), params
+        (SamplingParams fields or None), group]."""
+        request_id, prompt, params, group = request
+        stream = self.engine.add_request(prompt, messages.params_from(params), request_id,
+                                         asyncio.get_running_loop(), group=group)
+        loop = asyncio.get_running_loop()
+        held, sent_at = [], None
+        try:
+            async for batch in stream.batches():
+                held += batch
+                now = loop.time()
+                if sent_at is None or held[-1].finished or now - sent_at >= self.stream_interval_s:
+                    yield messages.pack([messages.delta_entry(d) for d in held])
+                    held, sent_at = [], now
+        finally:  # finished, failed, or cancelled by Serve because the caller went away
+            for rid in stream.unfinished_ids():
+                self.engine.abort(rid)
+
+    async def check_health(self) -> None:
+        h = await self._off_loop(self.engine.health)
+        if h["status"] == "unavailable" and not any(r["state"] in ("starting", "restarting") for r in h["replicas"]):
+            raise RuntimeError(f"raylm engine cannot serve: {h['reason']}")
+
+    async def health(self) -> dict:
+        return await self._off_loop(self.engine.health)
+
+    async def stats(self) -> dict:
+        return await self._off_loop(self.engine.stats)
+
+    async def worker_stats(self) -> list[dict]:
+        return await self._off_loop(self.engine.worker_stats)
+
+    async def metrics_text(self) -> bytes:
+        return await self._off_loop(self.engine.metrics_text)
+
+    async def apply_chat_template(self, messages_: list[dict], tools=None, template_kwargs=None) -> str:
+        return await self._off_loop(self.engine.apply_chat_template, messages_, tools, template_kwargs)
+
+    @staticmethod
+    async def _off_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    def __del__(self):  # Serve stops the replica: stop the workers with it
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
