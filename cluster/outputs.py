@@ -111,3 +111,15 @@ class StreamDelta:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @staticmethod
+    def joined(deltas: list[StreamDelta]) -> StreamDelta:
+        """Consecutive deltas of one choice as one: their text, ids and logprobs in order, the
+        last one's finish and output."""
+        if len(deltas) == 1:
+            return deltas[0]
+        last = deltas[-1]
+        logprobs = None if all(d.logprobs is None for d in deltas) else [
+            lp for d in deltas for lp in (d.logprobs or ())]
+        return StreamDelta(last.request_id, "".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids],
+                           logprobs, last.finish_reason, last.output, last.index)

@@ -110,11 +110,18 @@ def _run_once(*, replicas: int, rows: int, step_s: float, prompt_len: int, outpu
 
 
 ENGINE_TOKENS = 2_000  # a request's tokens in the engines sweep: waves of a second or more, not Serve's overhead
+# the engines sweep reads whole outputs: its streams' deltas are batched by the second, so that this
+# process (the caller, on the same cores) costs little next to the engines it measures
+ENGINE_STREAM_INTERVAL_MS = 1000.0
 
 
 def _run_engines(*, engines: int, rows: int, prompt_len: int, output_len: int, seed: int) -> dict:
     """N engines of one fake replica each under Ray Serve, WAVES times the requests they hold at
-    once, all submitted together; steps a second over the whole run (output tokens / rows)."""
+    once, sent as a closed loop of two batches' worth per engine (a request goes when one ends, so
+    none waits in Serve's own queue, whose retries would cost this process CPU); steps a second over
+    the whole run (output tokens / rows)."""
+    import asyncio
+
     from ray import serve
 
     from cluster import SamplingParams
@@ -128,14 +135,26 @@ def _run_engines(*, engines: int, rows: int, prompt_len: int, output_len: int, s
                   max_num_batched_tokens=max(2048, rows * prompt_len), max_waiting_requests=requests)
     name = "raylm-driver-capacity"
     serve.start(proxy_location="Disabled")
-    serve.run(build_openai_app(config, num_engines=engines, max_ongoing_requests=requests), name=name,
-              route_prefix=None)
+    serve.run(build_openai_app(config, num_engines=engines, stream_interval_ms=ENGINE_STREAM_INTERVAL_MS),
+              name=name, route_prefix=None)
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     try:
         h = connect_app(name)
-        h.generate([prompts[0]] * engines * 2, SamplingParams(max_tokens=2, ignore_eos=True))
-        t0 = time.perf_counter()
-        outs = h.generate(prompts, SamplingParams(max_tokens=output_len, ignore_eos=True))
-        wall = time.perf_counter() - t0
+
+        async def closed_loop() -> tuple[list, float]:
+            await asyncio.gather(*[h.agenerate(prompts[0], SamplingParams(max_tokens=2, ignore_eos=True))
+                                   for _ in range(2 * engines)])
+            gate = asyncio.Semaphore(2 * rows * engines)
+
+            async def one(p):
+                async with gate:
+                    return await h.agenerate(p, params)
+
+            t0 = time.perf_counter()
+            outs = await asyncio.gather(*[one(p) for p in prompts])
+            return outs, time.perf_counter() - t0
+
+        outs, wall = asyncio.run(closed_loop())
     finally:
         serve.delete(name)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)

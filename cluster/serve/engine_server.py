@@ -11,9 +11,10 @@ Requests come from the ingress through Serve's DeploymentHandle, one call per re
 `generate([request_id, prompt, params, group])` streams that request's deltas, each item the
 msgpack of every delta that arrived since the last item (cluster/remote/messages.py's entries).
 The first delta leaves at once (time to first token is not delayed); later ones are held until
-`stream_interval_ms` has passed since the last item (or the request ends), as Ray Serve LLM batches
-its streams: each item costs a Ray object and a wake-up in three processes (engine, ingress,
-Serve's proxy), which at one token per item was most of the path's cost (docs/benchmarks.md).
+`stream_interval_ms` has passed since the last item (or the request ends) and sent joined into
+one delta, as Ray Serve LLM batches its streams: each item costs a Ray object and a wake-up in
+three processes (engine, ingress, Serve's proxy), and each delta its encoding and decoding, which
+at one token per item were most of the path's cost (docs/benchmarks.md).
 Serve cancelling the call (the client went away) aborts the request.
 
 `check_health` is Serve's health check: it fails only when no replica of this engine can serve
@@ -27,6 +28,7 @@ import asyncio
 
 import cluster.remote.messages as messages
 from cluster.config import EngineConfig
+from cluster.outputs import StreamDelta
 
 DEFAULT_STREAM_INTERVAL_MS = 50.0
 
@@ -63,7 +65,7 @@ class EngineServer:
                 held += batch
                 now = loop.time()
                 if sent_at is None or held[-1].finished or now - sent_at >= self.stream_interval_s:
-                    yield messages.pack([messages.delta_entry(d) for d in held])
+                    yield messages.pack([messages.delta_entry(StreamDelta.joined(held))])
                     held, sent_at = [], now
         finally:  # finished, failed, or cancelled by Serve because the caller went away
             for rid in stream.unfinished_ids():

@@ -43,7 +43,7 @@ def _cause(e: BaseException) -> BaseException:
 class ServeEngine:
     def __init__(self, handle, info: dict):
         self._handle = handle
-        self._generate = handle.options(stream=True, method_name="generate")
+        self._generate = handle.options(stream=True, method_name="generate", _by_reference=False)
         self.config = EngineConfig(**info["config"])
         self.model_path = info["model_path"]
         self.max_model_len = info["max_model_len"]
