@@ -238,6 +238,9 @@ def _serve_with_ray_serve(a, cfg, serving: ServingConfig) -> int:
                            served_model_name=serving.model_names[0], api_key=serving.api_key,
                            metrics_without_auth=serving.metrics_without_auth, max_body_bytes=serving.max_body_bytes,
                            access_log=serving.access_log)
+    if _serve_running():
+        log.warning("Ray Serve already runs on this cluster: its HTTP proxies keep the host and port they have; "
+                    "--host %s --port %d do not apply", serving.host, serving.port)
     serve.start(http_options={"host": serving.host, "port": serving.port})
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -252,6 +255,17 @@ def _serve_with_ray_serve(a, cfg, serving: ServingConfig) -> int:
         if not serve.status().applications:  # Serve started for this app alone: its proxy frees the port
             serve.shutdown()
     return 0
+
+
+def _serve_running() -> bool:
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    try:
+        ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    except ValueError:
+        return False
+    return True
 
 
 def _serve_from_this_process(a, cfg, serving: ServingConfig) -> int:

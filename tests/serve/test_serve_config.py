@@ -89,3 +89,23 @@ def test_build_app_names_bad_options():
         build_app({"autoscaling_config": "lots"})
     with pytest.raises(ValueError, match="stream_interval_ms must be"):
         build_app({"stream_interval_ms": "-5"})
+
+
+def test_the_serve_config_file_builds_its_application():
+    """deploy/serve.yaml's application, as `serve run` builds it (its import_path with its args)."""
+    from pathlib import Path
+
+    import yaml
+    from ray.serve import Application
+
+    import cluster.serve.app as serve_app
+
+    config = yaml.safe_load((Path(__file__).parents[2] / "deploy" / "serve.yaml").read_text())
+    (app,) = config["applications"]
+    module, name = app["import_path"].split(":")
+    assert module == serve_app.__name__
+    assert isinstance(getattr(serve_app, name)(app["args"]), Application)
+    names = {d["name"] for d in app["deployments"]}
+    assert names == {serve_app.ENGINE_DEPLOYMENT, serve_app.INGRESS_DEPLOYMENT}
+    engine = engine_config_for_serve({k: v for k, v in app["args"].items() if k in EngineConfig.__dataclass_fields__})
+    assert engine_bundles(engine) == [{"CPU": 1.0, "NPU": 1.0}] * 2  # TP 2: two NPUs per engine

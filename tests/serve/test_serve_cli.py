@@ -1,0 +1,57 @@
+"""`raylm serve --engines 1` as a user runs it: a Ray of its own, Serve's proxy on the port asked
+for, the openai client with the API key, Ctrl-C stopping it all (`make test-serve`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import openai
+import pytest
+
+from tests.cluster.conftest import free_port, log_tail
+
+pytestmark = [pytest.mark.serve, pytest.mark.timeout(600)]
+
+
+def wait_healthy(proc, log, base: str) -> None:
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log_tail(log)
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"never healthy\n{log_tail(log)}")
+
+
+def test_raylm_serve_with_engines_serves_until_interrupted(tmp_path):
+    port, key = free_port(), "k-serve"
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "serve", "--engines", "1", "--address", "local", "--port", str(port),
+         "--num-kv-blocks", "64", "--max-num-seqs", "8", "--disable-access-log"],
+        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, RAYLM_API_KEY=key, PYTHONUNBUFFERED="1"),
+        start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(proc, log, base)  # Serve's proxy answers (404, 503) before the application is up
+        client = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
+        out = client.completions.create(model="tiny-qwen3", prompt="北京故宫是", max_tokens=8, temperature=0)
+        assert out.choices[0].text and out.usage.completion_tokens >= 1
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0).models.list()
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=120) == 0, log_tail(log)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
