@@ -9,14 +9,11 @@ request or per token.
 
 from __future__ import annotations
 
-import uuid
-
 import ray
 from ray.exceptions import RayTaskError
 
-from cluster.config import EngineConfig
 from cluster.core.stream import RequestStream
-from cluster.remote.client_tokenizer import ClientTokenizer
+from cluster.remote.client import ClientEngine
 from cluster.remote.connection import EngineConnection
 from cluster.remote.engine_actor import NAMESPACE
 from cluster.remote.outbox import DEFAULT_LEASE_S
@@ -35,18 +32,12 @@ def _get(ref):
         raise _cause(e) from None
 
 
-class RemoteEngine:
+class RemoteEngine(ClientEngine):
     """A connected engine: requests over the frontend channel, the rest as Ray calls."""
 
     def __init__(self, actor, info: dict, lease_s: float = DEFAULT_LEASE_S):
+        super().__init__(info)
         self._actor = actor
-        self.info = info
-        self.config = EngineConfig(**info["config"])
-        self.model_path = info["model_path"]
-        self.max_model_len = info["max_model_len"]
-        self.vocab_size = info["vocab_size"]
-        self.sampling_defaults = info.get("sampling_defaults") or {}
-        self.client_tokenizer = ClientTokenizer(self.model_path, self.config.trust_request_chat_template)
         self.connection = EngineConnection(actor, lease_s=lease_s)
 
     @classmethod
@@ -58,24 +49,10 @@ class RemoteEngine:
                              f"start one with `raylm serve --name {name}`") from None
         return cls(actor, _get(actor.info.remote()), lease_s)
 
-    @property
-    def tokenizer(self):
-        return self.client_tokenizer.tokenizer
-
-    def encode_text(self, prompt: str) -> list[int] | None:
-        return self.client_tokenizer.encode(prompt)
-
     def add_request(self, prompt, params=None, request_id: str | None = None, loop=None,
                     sink: RequestStream | None = None, group: str | None = None,
                     prompt_token_ids: list[int] | None = None) -> RequestStream:
-        rid = request_id if request_id is not None else uuid.uuid4().hex
-        if not isinstance(rid, str) or not rid:
-            raise ValueError(f"request_id must be a non-empty string, got {rid!r}")
-        if prompt_token_ids and isinstance(prompt, str):  # encode_text's, computed by the caller
-            wire = list(prompt_token_ids)
-        else:  # tokenized here, off the engine's loop
-            wire = self.encode_text(prompt) if isinstance(prompt, str) else None
-            wire = prompt if wire is None else wire
+        rid, wire = self.wire_request(prompt, request_id, prompt_token_ids)  # tokenized here, off the engine's loop
         return self.connection.submit(prompt, params, rid, loop, wire_prompt=wire, sink=sink, group=group)
 
     def apply_chat_template(self, messages, tools=None, template_kwargs=None) -> str:

@@ -17,16 +17,14 @@ import asyncio
 import dataclasses
 import logging
 import threading
-import uuid
 
 import ray
 
 import cluster.remote.messages as messages
-from cluster.config import EngineConfig
 from cluster.core.stream import RequestStream, deliver
 from cluster.errors import EngineDeadError
 from cluster.outputs import RequestOutput, StreamDelta
-from cluster.remote.client_tokenizer import ClientTokenizer
+from cluster.remote.client import ClientEngine
 
 log = logging.getLogger(__name__)
 
@@ -40,40 +38,21 @@ def _cause(e: BaseException) -> BaseException:
     return cause if isinstance(cause, BaseException) else e
 
 
-class ServeEngine:
+class ServeEngine(ClientEngine):
     def __init__(self, handle, info: dict):
+        super().__init__(info)
         self._handle = handle
         self._generate = handle.options(stream=True, method_name="generate", _by_reference=False)
-        self.config = EngineConfig(**info["config"])
-        self.model_path = info["model_path"]
-        self.max_model_len = info["max_model_len"]
-        self.vocab_size = info["vocab_size"]
-        self.sampling_defaults = info.get("sampling_defaults") or {}
-        self.client_tokenizer = ClientTokenizer(self.model_path, self.config.trust_request_chat_template)
         self._calls: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Task]] = {}
         self._lock = threading.Lock()
         self._own_loop: asyncio.AbstractEventLoop | None = None  # for blocking callers' requests
         self.retries = 0  # requests sent again after their engine went away before a token
 
-    @property
-    def tokenizer(self):
-        return self.client_tokenizer.tokenizer
-
-    def encode_text(self, prompt: str) -> list[int] | None:
-        return self.client_tokenizer.encode(prompt)
-
     # ---- requests ----
     def add_request(self, prompt, params=None, request_id: str | None = None, loop=None,
                     sink: RequestStream | None = None, group: str | None = None,
                     prompt_token_ids: list[int] | None = None) -> RequestStream:
-        rid = request_id if request_id is not None else uuid.uuid4().hex
-        if not isinstance(rid, str) or not rid:
-            raise ValueError(f"request_id must be a non-empty string, got {rid!r}")
-        if prompt_token_ids and isinstance(prompt, str):
-            wire = list(prompt_token_ids)
-        else:
-            wire = self.encode_text(prompt) if isinstance(prompt, str) else None
-            wire = prompt if wire is None else wire
+        rid, wire = self.wire_request(prompt, request_id, prompt_token_ids)
         stream = sink if sink is not None else RequestStream(rid, loop)
         request = [rid, wire, None if params is None else dataclasses.asdict(params), group]
         want_logprobs = params is not None and params.logprobs is not None

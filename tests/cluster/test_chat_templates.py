@@ -126,7 +126,7 @@ def test_engines_and_their_clients_render_with_the_configs_opt_in(tok, trust, re
     """The engine renders for launched handles, ClientTokenizer (with the model's files at hand) for connected
     handles and the Serve ingress."""
     from cluster.core.engine import LocalEngine
-    from cluster.remote.client_tokenizer import ClientTokenizer
+    from cluster.remote.client import ClientTokenizer
 
     config = EngineConfig(trust_request_chat_template=trust)
     if renderer == "LocalEngine":

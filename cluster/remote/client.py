@@ -1,4 +1,6 @@
-"""ClientTokenizer: the model's tokenizer in a frontend's process, where the model's files are.
+"""What an engine's clients (RemoteEngine, the Serve ingress's ServeEngine) share: ClientTokenizer,
+the model's tokenizer in the client's process where the model's files are, and ClientEngine, what
+a client keeps of the engine it reaches and how it puts a request on the wire.
 
 A frontend that tokenizes and renders chat templates itself (a `cluster.connect()` handle, the
 HTTP server of `raylm serve --frontend process`, the Ray Serve ingress) takes that CPU off the
@@ -8,6 +10,9 @@ frontend's machine (or the model is a random-weights spec), the engine does it i
 
 from __future__ import annotations
 
+import uuid
+
+from cluster.config import EngineConfig
 from cluster.core.chat_template import encode_prompt, render_chat
 
 
@@ -51,3 +56,35 @@ class ClientTokenizer:
         if self._tokenizer is None:
             return None
         return render_chat(self._tokenizer, messages, tools, template_kwargs, self.trust_request_chat_template)
+
+
+class ClientEngine:
+    """The engine's facts from its `info` (config, model path, lengths, sampling defaults) and the
+    client-side tokenizer; subclasses send requests their own way."""
+
+    def __init__(self, info: dict):
+        self.info = info
+        self.config = EngineConfig(**info["config"])
+        self.model_path = info["model_path"]
+        self.max_model_len = info["max_model_len"]
+        self.vocab_size = info["vocab_size"]
+        self.sampling_defaults = info.get("sampling_defaults") or {}
+        self.client_tokenizer = ClientTokenizer(self.model_path, self.config.trust_request_chat_template)
+
+    @property
+    def tokenizer(self):
+        return self.client_tokenizer.tokenizer
+
+    def encode_text(self, prompt: str) -> list[int] | None:
+        return self.client_tokenizer.encode(prompt)
+
+    def wire_request(self, prompt, request_id: str | None, prompt_token_ids: list[int] | None) -> tuple[str, object]:
+        """(request id, the prompt as sent): token ids where this process can tokenize (or the caller
+        did, `prompt_token_ids`), else the prompt as given."""
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        if not isinstance(rid, str) or not rid:
+            raise ValueError(f"request_id must be a non-empty string, got {rid!r}")
+        if prompt_token_ids and isinstance(prompt, str):
+            return rid, list(prompt_token_ids)
+        wire = self.encode_text(prompt) if isinstance(prompt, str) else None
+        return rid, prompt if wire is None else wire
