@@ -6,8 +6,9 @@ counts it as ongoing); the prompt is tokenized here first, so the router can mat
 blocks against what each engine has cached (cluster/serve/router.py).
 
 Nothing accepted is silently lost when an engine goes away: a request that has not streamed a
-token yet is sent again (up to MAX_TRIES calls; Serve routes it to a live engine); one that has
-ends with finish_reason "error", the error, and the tokens it got (its usage), never a hang.
+token yet is sent again (up to MAX_TRIES calls; Serve routes it to a live engine), and raises
+EngineDeadError (HTTP 503) if every try was lost; one that has streamed ends with finish_reason
+"error", the error, and the tokens it got (its usage). None hangs.
 Input errors (a bad parameter, a full queue) are raised as the engine raised them.
 """
 
@@ -107,6 +108,9 @@ class ServeEngine(ClientEngine):
                     self.retries += 1
                     log.warning("request %s: its engine went away before a token (%s); sending it again", rid, error)
             message = f"lost the engine: {type(error).__name__}: {error}"
+            if not token_ids:  # never started anywhere: refused as an engine with no replica refuses (503)
+                stream.put(EngineDeadError(f"{message} (tried {MAX_TRIES} times)"))
+                return
             prompt_ids = request[1] if isinstance(request[1], list) else []
             output = RequestOutput(request_id=rid, prompt=prompt if isinstance(prompt, str) else None,
                                    prompt_token_ids=prompt_ids, text="".join(text), token_ids=token_ids,

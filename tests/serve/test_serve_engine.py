@@ -12,6 +12,7 @@ from ray.exceptions import ActorDiedError, RayTaskError
 import cluster.remote.messages as messages
 from cluster import SamplingParams
 from cluster.config import EngineConfig
+from cluster.errors import EngineDeadError
 from cluster.handle import LLMHandle
 from cluster.outputs import RequestOutput, StreamDelta
 from cluster.serve.serve_engine import MAX_TRIES, ServeEngine
@@ -79,10 +80,10 @@ def test_a_request_that_streamed_ends_with_an_error_and_its_tokens():
     assert len(handle.calls) == 1 and engine.retries == 0
 
 
-def test_an_engine_lost_on_every_try_fails_the_request_without_hanging():
+def test_a_request_lost_on_every_try_is_refused_as_with_no_engine():
     handle = FakeHandle(*[[ActorDiedError()] for _ in range(MAX_TRIES)])
-    out = run(ServeEngine(handle, INFO))
-    assert out.finish_reason == "error" and out.token_ids == []
+    with pytest.raises(EngineDeadError, match=f"lost the engine.*tried {MAX_TRIES} times"):
+        run(ServeEngine(handle, INFO))
     assert len(handle.calls) == MAX_TRIES
 
 
