@@ -225,10 +225,19 @@ def _serve_in_engine(a, cfg, serving: ServingConfig) -> int:
 def _serve_with_ray_serve(a, cfg, serving: ServingConfig) -> int:
     """`--engines N`: the Ray Serve application (cluster/serve/app.py), N engines behind Serve's
     HTTP proxy (from N to --max-engines under Serve's autoscaling); runs until interrupted."""
+    import dataclasses
+
     from ray import serve
 
+    from cluster.core.placement import default_threads
     from cluster.serve.app import build_openai_app
 
+    if a.engines < 1:
+        raise ValueError(f"--engines must be an integer >= 1, got {a.engines}")
+    if cfg.device == "cpu" and cfg.threads_per_worker is None:  # the cores split over every engine there may be
+        engines = a.max_engines or a.engines
+        cfg = dataclasses.replace(cfg, threads_per_worker=default_threads(
+            engines * cfg.num_replicas, cfg.tensor_parallel_size, cfg.reserved_cpus))
     autoscaling = None
     if a.max_engines is not None:
         if a.max_engines < a.engines:
