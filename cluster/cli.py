@@ -223,14 +223,14 @@ def _serve_in_engine(a, cfg, serving: ServingConfig) -> int:
 
 
 def _serve_with_ray_serve(a, cfg, serving: ServingConfig) -> int:
-    """`--engines N`: the Ray Serve application (cluster/serve/app.py), N engines behind Serve's
+    """`--engines N`: the Ray Serve application (cluster/serve/deployments.py), N engines behind Serve's
     HTTP proxy (from N to --max-engines under Serve's autoscaling); runs until interrupted."""
     import dataclasses
 
     from ray import serve
 
     from cluster.core.placement import default_threads
-    from cluster.serve.app import build_openai_app
+    from cluster.serve.deployments import build_openai_app
 
     if a.engines < 1:
         raise ValueError(f"--engines must be an integer >= 1, got {a.engines}")

@@ -1,4 +1,4 @@
-"""raylm as a Ray Serve application (cluster/serve/app.py has the shape of it).
+"""raylm as a Ray Serve application (cluster/serve/deployments.py has the shape of it).
 
     from ray import serve
     from cluster.serve import build_openai_app, connect_app
@@ -12,7 +12,7 @@ Imports ray.serve: only the CLI's `--engines`, Serve itself and users import thi
 
 from __future__ import annotations
 
-from cluster.serve.app import ENGINE_DEPLOYMENT, build_app, build_openai_app
+from cluster.serve.deployments import ENGINE_DEPLOYMENT, build_app, build_openai_app
 
 
 def connect_app(app_name: str = "raylm"):

@@ -3,7 +3,7 @@
 Its requests go to the "RaylmEngine" deployment through a Serve DeploymentHandle, one
 streaming call per request (so Serve's request router picks the engine, and Serve's autoscaler
 counts it as ongoing); the prompt is tokenized here first, so the router can match its token
-blocks against what each engine has cached (cluster/serve/router.py).
+blocks against what each engine has cached (cluster/serve/prefix_router.py).
 
 Nothing accepted is silently lost when an engine goes away: a request that has not streamed a
 token yet is sent again (up to MAX_TRIES calls; Serve routes it to a live engine), and raises

@@ -6,8 +6,8 @@ import pytest
 
 from cluster.config import EngineConfig
 from cluster.core.placement import WorkerResources, borrowed_bundles
-from cluster.serve.app import build_app, engine_bundles, engine_config_for_serve
-from cluster.serve.router import PrefixTable, prompt_blocks, request_prompt
+from cluster.serve.deployments import build_app, engine_bundles, engine_config_for_serve
+from cluster.serve.prefix_router import PrefixTable, prompt_blocks, request_prompt
 
 
 def test_prompt_blocks_chain_full_blocks_only():
@@ -98,14 +98,14 @@ def test_the_serve_config_file_builds_its_application():
     import yaml
     from ray.serve import Application
 
-    import cluster.serve.app as serve_app
+    import cluster.serve.deployments as deployments
 
     config = yaml.safe_load((Path(__file__).parents[2] / "deploy" / "serve.yaml").read_text())
     (app,) = config["applications"]
     module, name = app["import_path"].split(":")
-    assert module == serve_app.__name__
-    assert isinstance(getattr(serve_app, name)(app["args"]), Application)
+    assert module == deployments.__name__
+    assert isinstance(getattr(deployments, name)(app["args"]), Application)
     names = {d["name"] for d in app["deployments"]}
-    assert names == {serve_app.ENGINE_DEPLOYMENT, serve_app.INGRESS_DEPLOYMENT}
+    assert names == {deployments.ENGINE_DEPLOYMENT, deployments.INGRESS_DEPLOYMENT}
     engine = engine_config_for_serve({k: v for k, v in app["args"].items() if k in EngineConfig.__dataclass_fields__})
     assert engine_bundles(engine) == [{"CPU": 1.0, "NPU": 1.0}] * 2  # TP 2: two NPUs per engine

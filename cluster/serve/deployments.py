@@ -7,7 +7,7 @@ Two deployments:
   (its NPU / GPU and CPUs), STRICT_PACK, and the engine's ranks take those bundles. Serve scales
   it (a fixed `num_engines`, or `autoscaling_config` on ongoing requests), health-checks it
   through the engine's own health, and routes each request with PrefixAwareRouter
-  (cluster/serve/router.py).
+  (cluster/serve/prefix_router.py).
 - "OpenAIIngress": the same HTTP app `raylm serve` runs (cluster/openai/app.py: routes,
   streaming, errors, API key, body limits) over an LLMHandle whose engine is a ServeEngine
   (cluster/serve/serve_engine.py), behind Serve's HTTP proxy.
@@ -28,7 +28,7 @@ from cluster.core.placement import worker_resources
 from cluster.openai.serving_config import DEFAULT_MAX_BODY_BYTES
 from cluster.openai.serving_config import served_model_name as default_model_name
 from cluster.serve.engine_server import DEFAULT_STREAM_INTERVAL_MS, EngineServer, check_stream_interval_ms
-from cluster.serve.router import PrefixAwareRouter
+from cluster.serve.prefix_router import PrefixAwareRouter
 
 ENGINE_DEPLOYMENT = "RaylmEngine"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
@@ -143,7 +143,7 @@ def _scalar(text: str):
 
 
 def build_app(args: dict):
-    """`serve run cluster.serve.app:build_app model=... num_engines=2`, or a Serve config file's
+    """`serve run cluster.serve.deployments:build_app model=... num_engines=2`, or a Serve config file's
     `import_path` with `args`: the serving keys above; every other key is EngineConfig's (or
     `engine_config`, a mapping of them)."""
     args = dict(args or {})
