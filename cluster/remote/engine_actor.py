@@ -26,12 +26,13 @@ import sys
 import ray
 
 from cluster.config import DEFAULT_GIL_SWITCH_INTERVAL_MS, EngineConfig, check_gil_switch_interval_ms
+from cluster.remote.engine_calls import EngineCalls
 from cluster.remote.outbox import Outboxes
 
 NAMESPACE = "raylm"
 
 
-class EngineActor:
+class EngineActor(EngineCalls):
     def __init__(self, config: dict, gil_switch_interval_ms: float | None = DEFAULT_GIL_SWITCH_INTERVAL_MS):
         from cluster.core.engine import LocalEngine
 
@@ -71,10 +72,7 @@ class EngineActor:
         return self._http is not None and self._http.running
 
     def info(self) -> dict:
-        e = self.engine
-        return {"config": e.config.to_dict(), "model_path": e.model_path, "max_model_len": e.max_model_len,
-                "vocab_size": e.vocab_size, "sampling_defaults": e.sampling_defaults, "ready": self._ready,
-                "gil_switch_interval_ms": sys.getswitchinterval() * 1000}
+        return {**super().info(), "ready": self._ready, "gil_switch_interval_ms": sys.getswitchinterval() * 1000}
 
     # ---- the frontend channel ----
     async def open_connection(self, connection_id: str, lease_s: float) -> None:
@@ -95,32 +93,15 @@ class EngineActor:
     async def close_connection(self, connection_id: str) -> int:
         return self._outboxes.close(connection_id)
 
-    # The rest may block (a lock the replica loop holds, a worker's stats call that waits for its
-    # step): on the executor, so the event loop keeps serving every frontend's push and pull.
-    async def abort(self, request_id: str) -> bool:
-        return await self._off_loop(self.engine.abort, request_id)
-
+    # the rest (EngineCalls) runs on the executor, so the event loop keeps serving every frontend's push and pull
     async def stats(self) -> dict:
-        return {**await self._off_loop(self.engine.stats), **self._outboxes.stats()}
+        return {**await super().stats(), **self._outboxes.stats()}
 
     async def health(self) -> dict:
         if not self._ready:
             return {"status": "unavailable", "reason": "the engine is still loading", "replicas": [],
                     "retry_after_s": 5}
-        return await self._off_loop(self.engine.health)
-
-    async def worker_stats(self) -> list[dict]:
-        return await self._off_loop(self.engine.worker_stats)
-
-    async def metrics_text(self) -> bytes:
-        return await self._off_loop(self.engine.metrics_text)
-
-    async def apply_chat_template(self, messages, tools=None, template_kwargs=None) -> str:
-        return await self._off_loop(self.engine.apply_chat_template, messages, tools, template_kwargs)
-
-    @staticmethod
-    async def _off_loop(fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        return await super().health()
 
     async def shutdown(self) -> None:
         if self._http is not None:

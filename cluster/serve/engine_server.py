@@ -29,6 +29,7 @@ import asyncio
 import cluster.remote.messages as messages
 from cluster.config import EngineConfig
 from cluster.outputs import StreamDelta
+from cluster.remote.engine_calls import EngineCalls
 
 DEFAULT_STREAM_INTERVAL_MS = 50.0
 
@@ -38,7 +39,7 @@ def check_stream_interval_ms(value) -> None:
         raise ValueError(f"stream_interval_ms must be a number of milliseconds in [0, 10000], got {value!r}")
 
 
-class EngineServer:
+class EngineServer(EngineCalls):
     async def __init__(self, config: dict, stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS):
         from cluster.core.engine import LocalEngine
 
@@ -47,18 +48,12 @@ class EngineServer:
         self.engine = LocalEngine(EngineConfig(**config))
         await asyncio.get_running_loop().run_in_executor(None, self.engine.start)
 
-    def info(self) -> dict:
-        e = self.engine
-        return {"config": e.config.to_dict(), "model_path": e.model_path, "max_model_len": e.max_model_len,
-                "vocab_size": e.vocab_size, "sampling_defaults": e.sampling_defaults}
-
     async def generate(self, request: list):
         """One request's deltas, in batches: [request_id, prompt (text or token ids), params
         (SamplingParams fields or None), group]."""
         request_id, prompt, params, group = request
-        stream = self.engine.add_request(prompt, messages.params_from(params), request_id,
-                                         asyncio.get_running_loop(), group=group)
         loop = asyncio.get_running_loop()
+        stream = self.engine.add_request(prompt, messages.params_from(params), request_id, loop, group=group)
         held, sent_at = [], None
         try:
             async for batch in stream.batches():
@@ -72,28 +67,9 @@ class EngineServer:
                 self.engine.abort(rid)
 
     async def check_health(self) -> None:
-        h = await self._off_loop(self.engine.health)
+        h = await self.health()
         if h["status"] == "unavailable" and not any(r["state"] in ("starting", "restarting") for r in h["replicas"]):
             raise RuntimeError(f"raylm engine cannot serve: {h['reason']}")
-
-    async def health(self) -> dict:
-        return await self._off_loop(self.engine.health)
-
-    async def stats(self) -> dict:
-        return await self._off_loop(self.engine.stats)
-
-    async def worker_stats(self) -> list[dict]:
-        return await self._off_loop(self.engine.worker_stats)
-
-    async def metrics_text(self) -> bytes:
-        return await self._off_loop(self.engine.metrics_text)
-
-    async def apply_chat_template(self, messages_: list[dict], tools=None, template_kwargs=None) -> str:
-        return await self._off_loop(self.engine.apply_chat_template, messages_, tools, template_kwargs)
-
-    @staticmethod
-    async def _off_loop(fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
     def __del__(self):  # Serve stops the replica: stop the workers with it
         engine = getattr(self, "engine", None)
