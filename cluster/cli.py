@@ -53,6 +53,11 @@ def _engine_args(p: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGrou
     t.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: each of a replica's devices holds whole experts (num_experts / "
                         "tensor_parallel_size of them) instead of a slice of every expert")
+    t.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="pipeline stages per replica, each a tensor-parallel group holding a share of the layers; "
+                        "stages go on different nodes when no node holds the whole replica")
+    t.add_argument("--pp-layer-partition", default=None,
+                   help="layers per pipeline stage, e.g. 5,3 (vLLM's VLLM_PP_LAYER_PARTITION; default: balanced)")
     r.add_argument("--max-request-failures", type=int, default=None,
                    help="fail a request that was on the worker at this many worker failures in a row (default 2)")
     r.add_argument("--grammar-compile-timeout-s", type=float, default=None,
@@ -81,7 +86,9 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
               num_kv_blocks=a.num_kv_blocks, max_model_len=a.max_model_len, threads_per_worker=a.threads_per_worker,
               prefill_threads_per_worker=a.prefill_threads_per_worker,
               accelerator_resource=a.accelerator_resource, enforce_eager=a.enforce_eager, graph_sizes=a.graph_sizes,
-              tensor_parallel_size=a.tensor_parallel_size, enable_expert_parallel=a.enable_expert_parallel)
+              tensor_parallel_size=a.tensor_parallel_size, enable_expert_parallel=a.enable_expert_parallel,
+              pipeline_parallel_size=a.pipeline_parallel_size,
+              pp_layer_partition=a.pp_layer_partition or os.environ.get("VLLM_PP_LAYER_PARTITION") or None)
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "generation_config",
                  "step_channel", "trust_request_chat_template", "max_request_failures", "grammar_compile_timeout_s",
                  "max_grammar_bytes"):  # unset (or not a flag of this command): the default
@@ -237,7 +244,7 @@ def _serve_with_ray_serve(a, cfg, serving: ServingConfig) -> int:
     if cfg.device == "cpu" and cfg.threads_per_worker is None:  # the cores split over every engine there may be
         engines = a.max_engines or a.engines
         cfg = dataclasses.replace(cfg, threads_per_worker=default_threads(
-            engines * cfg.num_replicas, cfg.tensor_parallel_size, cfg.reserved_cpus))
+            engines * cfg.num_replicas, cfg.ranks_per_replica, cfg.reserved_cpus))
     autoscaling = None
     if a.max_engines is not None:
         if a.max_engines < a.engines:

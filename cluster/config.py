@@ -23,6 +23,7 @@ from workers.runner_config import (
     check_quantization,
     device_outputs_enabled,
 )
+from workers.stage_layers import check_partition
 
 GENERATION_CONFIG_MODES = ("auto", "none")
 # the engine actor's sys.setswitchinterval, in ms (cluster/remote/engine_actor.py says why); None: Python's 5 ms
@@ -71,7 +72,11 @@ class EngineConfig:
     `tensor_parallel_size` ranks (one worker actor per device) make up each replica;
     `num_replicas` such groups serve in data parallel. A MoE model's experts are split across the
     ranks whole with `enable_expert_parallel` (vLLM's --enable-expert-parallel), else each
-    expert's intermediate dim is.
+    expert's intermediate dim is. `pipeline_parallel_size` stages (each a TP group) split a
+    replica's layers, balanced by layer count or by `pp_layer_partition` (layers per stage, vLLM's
+    VLLM_PP_LAYER_PARTITION, e.g. "5,3": the last stage also holds the lm_head); stages go on
+    different nodes when no node holds the whole replica, pass activations worker to worker, and
+    keep as many steps in flight as there are stages, over disjoint requests.
     `fake_step_s` (benchmarks only: `raylm bench --driver-capacity`) starts workers that load no
     model and answer each step's sampling rows with ids of their own after that many seconds, a
     device's step time stood in for (0: at once; workers/fake_runner.py), through the real step
@@ -138,6 +143,8 @@ class EngineConfig:
     num_replicas: int = 1
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False  # MoE under TP: whole experts per rank, not a slice of each
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: list[int] | str | None = None  # layers per stage; None: balanced by layer count
     # ---- reliability: timeouts, healing, hostile input ----
     step_timeout_s: float = 120.0
     max_worker_restarts: int = 3
@@ -179,6 +186,9 @@ class EngineConfig:
             self.block_size = default_block_size(self.device)
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         check_bool("enable_expert_parallel", self.enable_expert_parallel)
+        check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        partition = check_partition(self.pp_layer_partition, self.pipeline_parallel_size)
+        self.pp_layer_partition = None if partition is None else list(partition)
         if self.fake_step_s is not None:
             if not is_number(self.fake_step_s) or not 0 <= self.fake_step_s <= 10:
                 raise ValueError(f"fake_step_s must be seconds in [0, 10] or None, got {self.fake_step_s!r}")
@@ -261,7 +271,7 @@ class EngineConfig:
             seed=self.seed + replica_index, num_threads=num_threads if self.device == "cpu" else None,
             prefill_threads=prefill_threads if self.device == "cpu" else None,
             choose_decode_threads=self.device == "cpu" and self.threads_per_worker is None
-            and self.tensor_parallel_size == 1,
+            and self.tensor_parallel_size == self.pipeline_parallel_size == 1,
             enforce_eager=self.enforce_eager, graph_sizes=None if self.graph_sizes is None else tuple(self.graph_sizes),
             prepare_structured_output=self.prepare_structured_output, step_channel=self.resolved_step_channel,
             fake_step_s=self.fake_step_s,
@@ -280,9 +290,17 @@ class EngineConfig:
         return SchedulerConfig(
             num_blocks=num_blocks, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=max_model_len,
-            enable_prefix_caching=self.enable_prefix_caching,
+            enable_prefix_caching=self.enable_prefix_caching, max_concurrent_batches=self.pipeline_parallel_size,
         )
 
+    @property
+    def ranks_per_replica(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
     def pipeline_depth_for(self, device_outputs: bool) -> int:
-        """Steps in flight per replica: host-logits mode needs each step's ids before the next."""
-        return self.pipeline_depth if device_outputs else 1
+        """Steps in flight per replica: host-logits mode needs each step's ids before the next;
+        P pipeline stages keep P steps in flight (the scheduler keeps their requests apart)."""
+        if not device_outputs:
+            return 1
+        return max(self.pipeline_depth, self.pipeline_parallel_size) if self.pipeline_parallel_size > 1 \
+            else self.pipeline_depth

@@ -17,6 +17,10 @@ before the previous step's update() (pipelining). A decode row whose input token
 still in flight carries USE_RESIDENT. In-flight bookkeeping names each sampling row's
 Request at dispatch time, so slot reuse is safe and tokens for requests that finished
 meanwhile are discarded. Results must arrive in step order.
+
+With max_concurrent_batches B > 1 (pipeline stages) steps in flight hold disjoint requests:
+a request whose sampled token is in flight gets no decode row, and a step takes at most
+1/B of the running decodes, so B steps of about equal size keep B stages busy.
 """
 
 from __future__ import annotations
@@ -150,8 +154,10 @@ class Scheduler:
         running = self._running
         budget = step.budget
         preempted = False
+        batches = self.config.max_concurrent_batches
+        max_rows = -(-len(running) // batches) if batches > 1 else len(running)
         for req in list(running):
-            if not budget:
+            if not budget or len(rows) >= max_rows:
                 break
             if req.status is not RUNNING:
                 break  # preempted for an older request's block: so is everything after it
@@ -160,6 +166,8 @@ class Scheduler:
                 prefilling.append(req)
                 continue
             outputs, pending = req.output_token_ids, req.num_inflight_samples
+            if pending and batches > 1:
+                continue  # in a step still in flight: the next step's rows are other requests
             n_out = len(outputs)
             n_known = len(req.prompt_token_ids) + n_out
             if n_out + pending >= req.params.max_tokens or n_known + pending >= max_len:

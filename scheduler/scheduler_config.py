@@ -17,6 +17,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # tokens computed per step, all rows together
     max_model_len: int = 4096  # prompt + output tokens of one request
     enable_prefix_caching: bool = True
+    # steps in flight over disjoint requests (pipeline stages): >1 keeps a request out of a step
+    # while its last one is in flight and gives each step at most 1/max_concurrent_batches of the decodes
+    max_concurrent_batches: int = 1
 
     @property
     def max_total_tokens(self) -> int:

@@ -66,6 +66,7 @@ class WorkerActor:
             "node_id": ray.get_runtime_context().get_node_id(),
             "hostname": socket.gethostname(),
             "tensor_parallel_rank": self.parallel.rank,
+            "pipeline_stage": self.parallel.pipeline.stage,
             "moe": self.runner.moe_report(),  # None for a dense model
             "weight_bytes": self.runner.stats()["weight_bytes"],
             "structured_output": xgrammar_installed(),
@@ -90,7 +91,7 @@ class WorkerActor:
     @ray.method(enable_task_events=False)  # once per step: no task event to the GCS for each one
     def execute(self, plan_bytes: bytes) -> bytes:  # StepPlan bytes -> StepResult bytes
         result = self.runner.execute(StepPlan.from_bytes(plan_bytes))
-        return result.to_bytes() if self.parallel.is_first else b""  # only rank 0's result is pulled
+        return result.to_bytes() if self.parallel.samples else b""  # only the sampling rank's result is pulled
 
     @ray.method(concurrency_group="grammar")
     def prefetch_grammar(self, spec, deadline: float | None = None) -> str | None:

@@ -252,6 +252,8 @@ def load_model(path, dtype=None, device="cpu", parallel: TensorParallel = SINGLE
     for file in _weight_files(d):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
+                if not model.holds(name):  # another pipeline stage's
+                    continue
                 if experts.load(name, f, params, file.name):
                     continue
                 if name not in params:
@@ -269,7 +271,7 @@ def load_model(path, dtype=None, device="cpu", parallel: TensorParallel = SINGLE
                     )
                 param.copy_(convert_loaded(name, shard_of(name, source, shape, parallel, config.vocab_size)))
                 loaded.add(name)
-    missing = sorted(set(params) - loaded - experts.complete())
+    missing = sorted(n for n in set(params) - loaded - experts.complete() if model.holds(n))
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"missing weight {missing[0]!r}{more} in {str(d)!r}")
@@ -370,13 +372,15 @@ def _meta_full(config: Qwen3Config, quant: QuantConfig | None = None) -> Qwen3Fo
 
 @torch.no_grad()
 def shard_model(full: Qwen3ForCausalLM, parallel: TensorParallel) -> Qwen3ForCausalLM:
-    """This rank's part of a whole in-memory model (random models under TP)."""
-    if not parallel.enabled:
+    """This rank's part of a whole in-memory model (random models under TP or PP)."""
+    if not parallel.enabled and not parallel.pipeline.enabled:
         return full
     device = full.model.embed_tokens.weight.device
     experts = [p.dtype for n, p in full.named_parameters() if ".experts." in n]
     model = empty_model(full.config, full.dtype, device, parallel, experts[0] if experts else None)
     for name, param in model.named_parameters():
+        if not model.holds(name):
+            continue
         whole = full.get_parameter(name)
         param.copy_(shard_of(name, whole, tuple(whole.shape), parallel, full.config.vocab_size))
     return model
@@ -528,7 +532,7 @@ def random_model(spec: str, dtype=None, device="cpu", parallel: TensorParallel =
     s = parse_random_spec(spec)
     shape = RANDOM_SHAPES[s.name]
     dtype = dtype or shape.get("torch_dtype", Qwen3Config.torch_dtype)
-    if not parallel.enabled:
+    if not parallel.enabled and not parallel.pipeline.enabled:
         return random_qwen3(dtype=dtype, layers=s.layers, seed=s.seed, device=device, **shape)
     full = random_qwen3(dtype=dtype, layers=s.layers, seed=s.seed, device="cpu", **shape)
     return shard_model(full, parallel).to(device)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.device import dist_backend
+from workers.pipeline import NO_PIPELINE, Pipeline
 
 
 def _positive_int(name: str, value) -> None:
@@ -45,9 +46,16 @@ class ParallelConfig:
     master_port: int = 0
     timeout_s: float = 600.0  # a collective waiting this long raises (the driver's step timeout fires first)
     expert_parallel: bool = False  # MoE: each rank holds whole experts, not a slice of every expert
+    # pipeline stages (workers/pipeline.py): rank = stage * (world_size / stages) + tensor rank
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: tuple[int, ...] | None = None  # layers per stage; None: balanced by layer count
 
     def __post_init__(self) -> None:
         _positive_int("world_size", self.world_size)
+        _positive_int("pipeline_parallel_size", self.pipeline_parallel_size)
+        if self.world_size % self.pipeline_parallel_size:
+            raise ValueError(f"pipeline_parallel_size {self.pipeline_parallel_size} must divide world_size "
+                             f"{self.world_size}")
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank!r}")
         if self.world_size > 1 and not (isinstance(self.master_port, int) and 0 < self.master_port < 65536):
@@ -64,13 +72,16 @@ def free_port(host: str = "") -> int:
 
 
 class TensorParallel:
-    """One rank's view of its group: rank, world size and the collectives the model uses."""
+    """One rank's view of its tensor-parallel group (its pipeline stage's ranks): rank, world
+    size and the collectives the model uses; `pipeline`: its place among the stages."""
 
-    def __init__(self, rank: int = 0, world_size: int = 1, group=None, expert_parallel: bool = False) -> None:
+    def __init__(self, rank: int = 0, world_size: int = 1, group=None, expert_parallel: bool = False,
+                 pipeline: Pipeline = NO_PIPELINE) -> None:
         self.rank = rank
         self.world_size = world_size
         self.group = group  # a torch.distributed ProcessGroup; None for the single rank
         self.expert_parallel = expert_parallel and world_size > 1  # how MoE experts split (ShardedShape)
+        self.pipeline = pipeline
         # host time inside collectives (on the CPU the wait and the transfer; on accelerators,
         # whose collectives are queued, only the launch): what bench_tp.py reports
         self.collective_s = 0.0
@@ -90,9 +101,16 @@ class TensorParallel:
     def is_first(self) -> bool:
         return self.rank == 0
 
+    @property
+    def samples(self) -> bool:
+        """Whether this rank samples (and masks grammars, and returns the step's result): tensor
+        rank 0 of the last pipeline stage."""
+        return self.rank == 0 and self.pipeline.is_last
+
     @classmethod
     def join(cls, config: ParallelConfig, device_kind: str) -> TensorParallel:
-        """Join the group `config` describes (blocks until every rank has joined)."""
+        """Join the group `config` describes (blocks until every rank has joined): the whole
+        replica's group, and under pipeline parallelism one tensor-parallel group per stage."""
         if config.world_size == 1:
             return SINGLE
         import torch.distributed as dist
@@ -102,10 +120,18 @@ class TensorParallel:
         dist.init_process_group(
             backend=dist_backend(device_kind), init_method=f"tcp://{config.master_addr}:{config.master_port}",
             rank=config.rank, world_size=config.world_size, timeout=datetime.timedelta(seconds=config.timeout_s))
-        return cls(config.rank, config.world_size, dist.group.WORLD, config.expert_parallel)
+        stages = config.pipeline_parallel_size
+        tp = config.world_size // stages
+        stage, tp_rank = divmod(config.rank, tp)
+        if stages == 1:
+            return cls(config.rank, config.world_size, dist.group.WORLD, config.expert_parallel)
+        # every rank creates every stage's group, in stage order (torch.distributed's rule)
+        groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) if tp > 1 else None for s in range(stages)]
+        pipeline = Pipeline(stage, stages, tp_rank, tp, config.pp_layer_partition, dist.group.WORLD)
+        return cls(tp_rank, tp, groups[stage], config.expert_parallel, pipeline)
 
     def close(self) -> None:
-        if self.group is not None:
+        if self.group is not None or self.pipeline.enabled:
             import torch.distributed as dist
 
             if dist.is_initialized():
@@ -144,13 +170,13 @@ class TensorParallel:
             return [x]
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.is_first else None
-        self._timed(torch.distributed.gather, x, parts, dst=0)
+        self._timed(torch.distributed.gather, x, parts, group_dst=0)
         return parts
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank `src`'s x into x on every rank, in place; returns x."""
         if self.enabled:
-            self._timed(torch.distributed.broadcast, x, src=src)
+            self._timed(torch.distributed.broadcast, x, group_src=src)
         return x
 
 

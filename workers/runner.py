@@ -10,6 +10,10 @@ With device outputs off it returns the logits instead, trimmed to the real vocab
 Under tensor parallelism every rank runs the same plan on its shard; logits are gathered
 to rank 0, which samples and broadcasts the ids, so every rank keeps the same last_tokens.
 Only rank 0's result means anything.
+
+Under pipeline parallelism (workers/pipeline.py) every stage runs the same plan over its own
+layers: the first embeds, the others take the previous stage's output, and the last samples
+and sends the ids to the first (only the last stage's tensor rank 0 has a result).
 """
 
 from __future__ import annotations
@@ -79,8 +83,9 @@ class ModelRunner:
                  parallel: TensorParallel = SINGLE) -> None:
         self.config = config
         self.parallel = parallel
-        if model is not None and parallel.enabled:
-            raise ValueError("a given model cannot be tensor-parallel: each rank loads its own shard")
+        if model is not None and (parallel.enabled or parallel.pipeline.enabled):
+            raise ValueError("a given model cannot be split over ranks: each rank loads its own part")
+        self.pipeline = parallel.pipeline
         # CPU threads per step: (threads for small steps, for steps of >= prefill_thread_tokens)
         self.cpu_threads: tuple[int, int] | None = None
         self.host_heap = keep_host_heap() if config.device == "cpu" else None
@@ -124,7 +129,7 @@ class ModelRunner:
         checkpoint = None if is_random_spec(config.model) else (config.model or bundled_model_path())
         self.grammars = GrammarMasks(max_num_seqs=config.max_num_seqs, vocab_size=mc.vocab_size,
                                      device=self.device, checkpoint=checkpoint)  # rank 0 samples: only it masks
-        if config.prepare_structured_output and parallel.rank == 0:  # only rank 0 masks
+        if config.prepare_structured_output and parallel.samples:  # only the sampling rank masks
             self.grammars.prepare()
         self.num_steps = 0
         self.num_lm_head_argmax_steps = 0  # steps whose ids came from the lm_head fused with the argmax
@@ -178,8 +183,9 @@ class ModelRunner:
         device and whether decode steps replay captured graphs."""
         model, mc = self.model, self.model.config
         kv_heads = model.shape.num_kv_heads  # this rank's KV heads
+        num_layers = len(model.stage)  # this pipeline stage's layers
         bytes_per_block = KVCache.bytes_per_block(
-            num_layers=mc.num_hidden_layers, block_size=config.block_size,
+            num_layers=num_layers, block_size=config.block_size,
             num_kv_heads=kv_heads, head_dim=mc.head_dim, dtype=model.dtype)
         if config.num_kv_blocks is not None and self.device.type != "cpu":
             self.num_kv_blocks = config.num_kv_blocks
@@ -189,12 +195,15 @@ class ModelRunner:
                 cpu_blocks=config.num_kv_blocks or default_cpu_blocks(
                     bytes_per_block, max_num_seqs=config.max_num_seqs,
                     blocks_per_seq=-(-self.max_model_len // config.block_size)))
-        self.num_kv_blocks = parallel.all_reduce_min(self.num_kv_blocks)  # one block table serves every rank
-        # no captured graphs under TP: collectives stay outside graph capture
-        graph_device = None if config.enforce_eager or parallel.enabled else graph_device_for(self.device)
+        # one block table serves every rank (stages hold different layers: the min over all of them)
+        self.num_kv_blocks = (self.pipeline.min_over_replica(self.num_kv_blocks) if self.pipeline.enabled
+                              else parallel.all_reduce_min(self.num_kv_blocks))
+        # no captured graphs under TP or PP: collectives and transfers stay outside graph capture
+        split = parallel.enabled or self.pipeline.enabled
+        graph_device = None if config.enforce_eager or split else graph_device_for(self.device)
         use_graphs = graph_device is not None and getattr(self.ops.attention, "supports_graphs", False)
         # with graphs, one more block than the scheduler knows of: the graphs' padding rows write there
-        self.kv_cache = KVCache(num_layers=mc.num_hidden_layers, num_blocks=self.num_kv_blocks + use_graphs,
+        self.kv_cache = KVCache(num_layers=num_layers, num_blocks=self.num_kv_blocks + use_graphs,
                                 block_size=config.block_size, num_kv_heads=kv_heads,
                                 head_dim=mc.head_dim, dtype=model.dtype, device=self.device)
         return graph_device, use_graphs
@@ -215,7 +224,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         if not isinstance(plan, StepPlan):
             raise ValueError(f"execute takes a StepPlan, got {type(plan).__name__}")
-        if self.parallel.rank == 0:
+        if self.parallel.samples:
             self.grammars.check_new(plan.new_requests)  # compiles before the plan changes anything
         rows = self.slots.apply(plan)
         if self.device_outputs:
@@ -257,6 +266,11 @@ class ModelRunner:
             upload = self.slot_sampling.prepare([w.state.sampling for w in sampling_rows],
                                                 [w.start + w.num_tokens for w in sampling_rows],
                                                 [w.slot for w in sampling_rows])
+        pipeline = self.pipeline
+        if pipeline.enabled and pipeline.is_first and self.device_outputs:
+            # the last stage's ids of earlier steps: all of them before a row reads its resident token
+            resident = any(w.is_decode and w.token == USE_RESIDENT for w in rows)
+            pipeline.take_ids(self.last_tokens, keep=0 if resident else pipeline.num_stages - 1)
         inputs = build_step_inputs(rows, block_size=self.config.block_size, last_tokens=self.last_tokens,
                                    staging=self.staging, sampling_ints=list(upload.ints.values()) if upload else (),
                                    sampling_floats=list(upload.floats.values()) if upload else ())
@@ -272,8 +286,19 @@ class ModelRunner:
                 logits = logits.index_select(0, inputs.logits_indices)
         else:
             hidden_in = self.outputs.get_rows("next_hidden", t, (mc.hidden_size,), self.model.dtype)
-            self.model.embed(inputs.input_ids, out=hidden_in)  # [T, hidden]
+            if pipeline.is_first:
+                self.model.embed(inputs.input_ids, out=hidden_in)  # [T, hidden]
+            else:
+                pipeline.recv_hidden(hidden_in)  # [T, hidden]: the previous stage's output
             hidden = self.model(hidden_in, inputs.positions, self.kv_cache, attn)  # [T, hidden]
+            if not pipeline.is_last:
+                pipeline.send_hidden(hidden)
+                if pipeline.is_first and b and self.device_outputs:
+                    pipeline.expect_ids(inputs.sample_slots)
+                for w in inputs.work:
+                    w.state.has_resident = True
+                result.logits_shape = (b, 0)
+                return
             if inputs.logits_indices is not None:
                 hidden = hidden.index_select(0, inputs.logits_indices)  # [B, hidden]
             if b == 0:
@@ -300,6 +325,8 @@ class ModelRunner:
         else:
             ids = self.outputs.get_rows("sampled_ids", b, (), torch.int32)  # filled by rank 0's broadcast
         self.parallel.broadcast(ids, src=0)  # every rank keeps the same resident last tokens
+        if pipeline.enabled:
+            pipeline.send_ids(ids)  # the first stage embeds them
         self.last_tokens.index_copy_(0, inputs.sample_slots, ids.to(torch.int64))
         self.slot_sampling.record(batch, ids)  # penalties' token counts, on the device
         for w in inputs.work:
@@ -329,6 +356,10 @@ class ModelRunner:
                                   rows=[ScheduledRow(0, n)]))
             token = USE_RESIDENT if self.device_outputs else 0
             self.execute(StepPlan(step_id=-1, rows=[ScheduledRow(0, 1, token=token)]))
+            if self.pipeline.enabled:  # the decode step's ids, and every send, done before they are forgotten
+                if self.pipeline.is_first and self.device_outputs:
+                    self.pipeline.take_ids(self.last_tokens, keep=0)
+                self.pipeline.flush()
             synchronize(self.device)
         finally:
             self.slots.clear()
@@ -337,7 +368,7 @@ class ModelRunner:
             self.num_steps, self.num_tokens, self.num_lm_head_argmax_steps = steps, tokens, argmax_steps
             self.parallel.collective_s, self.parallel.num_collectives = collective
         if (self.config.choose_decode_threads and self.cpu_threads is not None and self.cpu_threads[0] > 1
-                and not self.parallel.enabled):
+                and not self.parallel.enabled and not self.pipeline.enabled):
             self._choose_decode_threads()
 
     def _choose_decode_threads(self, reps: int = 3, steps_per_rep: int = 2) -> None:
@@ -402,6 +433,8 @@ class ModelRunner:
             "weights_fingerprint": self.weights_fingerprint,
             "tensor_parallel_rank": self.parallel.rank,
             "tensor_parallel_size": self.parallel.world_size,
+            "layers": [self.model.stage.start, self.model.stage.end],  # this rank's: [first, end)
+            "pipeline": self.pipeline.describe(),  # None without pipeline parallelism
             "collective_s": self.parallel.collective_s,
             "collectives": self.parallel.num_collectives,
             "ops": self.ops.describe(),

@@ -278,8 +278,8 @@ def _readable(items: Sequence, timeout: float) -> list:
     return [by_fd[fd] for fd, _ in poller.poll(max(timeout, 0.0) * 1000) if fd in by_fd]
 
 
-def collect(clients: Sequence[StepClient], timeout: float) -> bytes:
-    """Each rank's result of the oldest step in flight; returns rank 0's. Whichever rank
+def collect(clients: Sequence[StepClient], timeout: float, result_rank: int = 0) -> bytes:
+    """Each rank's result of the oldest step in flight; returns `result_rank`'s. Whichever rank
     answers first is read first, so a rank that failed raises without waiting for the
     others; ranks still silent at the deadline raise StepTimeout."""
     if len(clients) == 1:
@@ -293,7 +293,7 @@ def collect(clients: Sequence[StepClient], timeout: float) -> bytes:
             raise StepTimeout(f"{len(pending)} of {len(clients)} ranks returned no step result within {timeout:.0f} s")
         for c in ready:
             value = c.recv(max(deadline - time.monotonic(), 1.0))
-            if c is clients[0]:
+            if c is clients[result_rank]:
                 data = value
             pending.remove(c)
     return data

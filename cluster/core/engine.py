@@ -87,21 +87,26 @@ class LocalEngine:
             sampling_defaults,
         )
         from workers.parallel import check_shardable
+        from workers.stage_layers import stage_layers
 
         cfg = self.config
         self.model_path = cfg.model or bundled_model_path()
         tp = cfg.tensor_parallel_size
         if is_random_spec(self.model_path):  # random weights, no tokenizer: token-id prompts only
-            check_shardable(random_spec_config(parse_random_spec(self.model_path)), tp, cfg.enable_expert_parallel)
+            model_config = random_spec_config(parse_random_spec(self.model_path))
             self.tokenizer, self.eos_token_ids = None, frozenset()
         else:
-            check_shardable(load_config(self.model_path), tp, cfg.enable_expert_parallel)  # before any actor starts
+            model_config = load_config(self.model_path)
             load_quant_config(self.model_path, cfg.quantization)  # a format raylm cannot serve fails here
             self.tokenizer = load_tokenizer(self.model_path)
             self.eos_token_ids = frozenset(eos_token_ids(self.model_path))
             if cfg.generation_config == "auto":
                 self.sampling_defaults = sampling_defaults(self.model_path)
-        threads, prefill_threads = (cpu_worker_threads(cfg.num_replicas, tp, cfg.threads_per_worker, cfg.reserved_cpus,
+        # shapes that cannot split fail here, before any actor starts
+        check_shardable(model_config, tp, cfg.enable_expert_parallel)
+        stage_layers(model_config.num_hidden_layers, cfg.pipeline_parallel_size, 0, cfg.pp_layer_partition)
+        threads, prefill_threads = (cpu_worker_threads(cfg.num_replicas, cfg.ranks_per_replica, cfg.threads_per_worker,
+                                                       cfg.reserved_cpus,
                                                        cfg.prefill_threads_per_worker)
                                     if cfg.device == "cpu" else (cfg.threads_per_worker or 1,) * 2)
         resources = worker_resources(cfg.device, threads, cfg.accelerator_resource, fake=cfg.fake_step_s is not None)
@@ -109,7 +114,7 @@ class LocalEngine:
                                             prefill_threads=prefill_threads)
                           for i in range(cfg.num_replicas)]
         self.device_outputs = runner_configs[0].device_outputs
-        groups = place_replicas(resources, cfg.num_replicas, cfg.placement_timeout_s, tp)
+        groups = place_replicas(resources, cfg.num_replicas, cfg.placement_timeout_s, tp, cfg.pipeline_parallel_size)
         for i, (pg, runner_config) in enumerate(zip(groups, runner_configs)):
             self.replicas.append(Replica(i, cfg, runner_config, resources, pg, self._on_updates))
         try:
@@ -396,6 +401,7 @@ class LocalEngine:
         total["open_requests"] = len(self._requests)  # accepted and not finished, as the engine tracks them
         total["num_replicas"] = len(self.replicas)
         total["tensor_parallel_size"] = self.config.tensor_parallel_size
+        total["pipeline_parallel_size"] = self.config.pipeline_parallel_size
         total["replicas_alive"] = sum(1 for r in self.replicas if not r.dead)
         total["device_outputs"] = self.device_outputs
         total["pipeline_depth"] = self.config.pipeline_depth_for(self.device_outputs)

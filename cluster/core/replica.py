@@ -1,9 +1,10 @@
 """Replica: its worker actor(s), its Scheduler, and the driver loop between them.
 
-Under tensor parallelism the replica is a group of `tensor_parallel_size` actors (rank 0
-first); every rank gets the same plan bytes each step, only rank 0's result is pulled,
-and a rank that dies, raises or hangs takes the whole group down: it is rebuilt, and its
-requests recomputed, exactly as a single worker is.
+Under tensor and pipeline parallelism the replica is a group of `tensor_parallel_size` x
+`pipeline_parallel_size` actors (stage by stage, tensor rank 0 first); every rank gets the same
+plan bytes each step, only the sampling rank's result is pulled (tensor rank 0 of the last
+stage), and a rank that dies, raises or hangs takes the whole group down: it is rebuilt, and
+its requests recomputed, exactly as a single worker is.
 
 Steps travel over each rank's step channel (workers/step_channel.py: one TCP frame each
 way, no Ray call) where the worker reported one at start, else as `execute` actor calls;
@@ -98,6 +99,8 @@ class Replica:
         self._emit = emit  # emit(replica, [RequestUpdate]): the loop thread's outputs, no lock held
         self._host_sampler = None  # host-logits mode: this replica's own Sampler (start() makes it)
         self._depth = config.pipeline_depth_for(runner_config.device_outputs)
+        # the rank that samples and returns each step's result: tensor rank 0 of the last pipeline stage
+        self._result_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
         self._lock = threading.Lock()  # guards the scheduler
         # grammars this worker generation compiled, newest last: as many as a worker keeps compiled
         self._compiled: OrderedDict[GrammarSpec, None] = OrderedDict()
@@ -142,23 +145,26 @@ class Replica:
 
     @property
     def worker(self):
-        """Rank 0's actor (the only one for TP 1); None while the group (re)starts."""
-        return self.workers[0] if self.workers else None
+        """The sampling rank's actor (the only one without TP or PP); None while the group (re)starts."""
+        return self.workers[self._result_rank] if self.workers else None
 
     def _start_worker(self) -> dict:
         cfg = self.config
-        tp = cfg.tensor_parallel_size
+        ranks = cfg.ranks_per_replica  # stage by stage, tensor rank 0 first
         workers = [remote_worker().options(
             num_cpus=self._resources.num_cpus,
             resources={self._resources.accelerator: 1} if self._resources.accelerator else None,
             scheduling_strategy=self._placement.strategy(rank),
-        ).remote() for rank in range(tp)]
+        ).remote() for rank in range(ranks)]
         parallel = [None]
-        if tp > 1:  # rank 0 hosts the rendezvous; the group's collectives time out after the driver's checks
+        if ranks > 1:  # rank 0 hosts the rendezvous; the group's collectives time out after the driver's checks
             address, port = ray.get(workers[0].rendezvous.remote(), timeout=cfg.start_timeout_s)
             timeout = max(cfg.step_timeout_s, cfg.start_timeout_s)
-            parallel = [dict(rank=r, world_size=tp, master_addr=address, master_port=port, timeout_s=timeout,
-                             expert_parallel=cfg.enable_expert_parallel) for r in range(tp)]
+            partition = None if cfg.pp_layer_partition is None else tuple(cfg.pp_layer_partition)
+            parallel = [dict(rank=r, world_size=ranks, master_addr=address, master_port=port, timeout_s=timeout,
+                             expert_parallel=cfg.enable_expert_parallel,
+                             pipeline_parallel_size=cfg.pipeline_parallel_size, pp_layer_partition=partition)
+                        for r in range(ranks)]
         self.workers = workers  # set before start: a failed start is killed by _kill_worker
         config = dataclasses.asdict(self._runner_config)  # a plain dict crosses to the actor
         infos = ray.get([w.start.remote(config, p) for w, p in zip(workers, parallel)], timeout=cfg.start_timeout_s)
@@ -177,9 +183,9 @@ class Replica:
                     self._compiled[spec] = None
                     for w in workers:
                         w.prefetch_grammar.remote(spec)
-        info = dict(infos[0])
+        info = dict(infos[self._result_rank])  # the sampling rank's: the vocab and what it decides
         info["step_channel"] = "socket" if self.channels else "ray"
-        info["ranks"] = [{k: i[k] for k in ("pid", "node_id", "visible_devices")} for i in infos]
+        info["ranks"] = [{k: i[k] for k in ("pid", "node_id", "visible_devices", "pipeline_stage")} for i in infos]
         return info
 
     def shutdown(self) -> None:
@@ -340,13 +346,13 @@ class Replica:
         return [w.execute.remote(data) for w in self.workers]
 
     def _collect(self, refs) -> bytes:
-        """Rank 0's result once every rank finished the step; a rank that failed raises, one
+        """The sampling rank's result once every rank finished the step; a rank that failed raises, one
         that is still running past the step timeout raises GetTimeoutError (StepTimeout)."""
         timeout = self.config.step_timeout_s
         if isinstance(refs, BaseException):
             raise refs
         if refs is self.channels:
-            return collect(refs, timeout)
+            return collect(refs, timeout, self._result_rank)
         if len(refs) == 1:
             return ray.get(refs[0], timeout=timeout)
         deadline = time.monotonic() + timeout
@@ -356,8 +362,8 @@ class Replica:
                                       fetch_local=False)
             if not ready:
                 raise GetTimeoutError(f"{len(pending)} of {len(refs)} ranks did not finish within {timeout}s")
-            value = ray.get(ready[0])  # raises the rank's error; ranks > 0 return b"" (nothing to pull)
-            if ready[0] == refs[0]:
+            value = ray.get(ready[0])  # raises the rank's error; other ranks return b"" (nothing to pull)
+            if ready[0] == refs[self._result_rank]:
                 data = value
         return data
 

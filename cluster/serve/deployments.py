@@ -65,10 +65,10 @@ def engine_config_for_serve(config: EngineConfig | dict) -> EngineConfig:
 
 
 def engine_bundles(cfg: EngineConfig) -> list[dict]:
-    """One bundle per worker rank of an engine (its replicas x its TP ranks)."""
+    """One bundle per worker rank of an engine (its replicas x their TP x PP ranks)."""
     threads = cfg.threads_per_worker or 1
     resources = worker_resources(cfg.device, threads, cfg.accelerator_resource, fake=cfg.fake_step_s is not None)
-    return [resources.bundle() for _ in range(cfg.num_replicas * cfg.tensor_parallel_size)]
+    return [resources.bundle() for _ in range(cfg.num_replicas * cfg.ranks_per_replica)]
 
 
 def build_openai_app(engine_config: EngineConfig | dict, *, num_engines: int = 1,
@@ -105,7 +105,8 @@ def build_openai_app(engine_config: EngineConfig | dict, *, num_engines: int = 1
     engine = serve.deployment(EngineServer).options(
         name=ENGINE_DEPLOYMENT,
         placement_group_bundles=engine_bundles(cfg),
-        placement_group_strategy="STRICT_PACK",
+        # pipeline stages may need nodes of their own: packed where they fit, spread where not
+        placement_group_strategy="PACK" if cfg.pipeline_parallel_size > 1 else "STRICT_PACK",
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=max_ongoing_requests,
         graceful_shutdown_timeout_s=ENGINE_GRACEFUL_SHUTDOWN_S,

@@ -70,12 +70,12 @@ def test_an_engine_asks_a_bundle_per_rank():
 
 def test_borrowed_bundles_place_ranks_in_order_or_say_why_not():
     need = WorkerResources(num_cpus=1, accelerator="NPU")
-    places = borrowed_bundles([{"CPU": 1, "NPU": 1}] * 4, need, num_replicas=2, tensor_parallel_size=2)
+    places = borrowed_bundles([{"CPU": 1, "NPU": 1}] * 4, need, num_replicas=2, ranks=2)
     assert [(p.first_bundle, p.owned) for p in places] == [(0, False), (2, False)]
     with pytest.raises(ValueError, match=r"need 4 bundle\(s\)"):
-        borrowed_bundles([{"CPU": 1, "NPU": 1}] * 3, need, num_replicas=2, tensor_parallel_size=2)
+        borrowed_bundles([{"CPU": 1, "NPU": 1}] * 3, need, num_replicas=2, ranks=2)
     with pytest.raises(ValueError, match=r"bundle\(s\) \[1\] do not"):
-        borrowed_bundles([{"CPU": 1, "NPU": 1}, {"CPU": 1}], need, num_replicas=1, tensor_parallel_size=2)
+        borrowed_bundles([{"CPU": 1, "NPU": 1}, {"CPU": 1}], need, num_replicas=1, ranks=2)
 
 
 def test_build_app_names_bad_options():

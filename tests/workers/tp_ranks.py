@@ -1,7 +1,8 @@
-"""Run one ModelRunner per tensor-parallel rank in spawned processes (gloo, one thread
-each), without Ray: rank 0 drives a PlanDriver and hands every plan's bytes to the other
-ranks, as a replica sends the same bytes to each of its actors. Several jobs (a runner
-config and the prompts it generates for) run in one set of processes, one after another."""
+"""Run one ModelRunner per tensor-parallel (and pipeline) rank in spawned processes (gloo,
+one thread each), without Ray: the sampling rank (tensor rank 0 of the last stage) drives a
+PlanDriver and hands every plan's bytes to the other ranks, as a replica sends the same bytes
+to each of its actors. Several jobs (a runner config and the prompts it generates for) run in
+one set of processes, one after another."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ def job(runner_kw: dict, prompts, max_new: int, samplings=None, chunk=None) -> t
     return runner_kw, prompts, samplings or [None] * len(prompts), max_new, chunk
 
 
-def run_ranks(world: int, jobs: list[tuple], expert_parallel: bool = False) -> list[tuple[list[list[int]], dict]]:
-    """For each job, rank 0's (outputs, runner stats). One rank runs in this process. MoE models
-    split their experts across the ranks with expert_parallel, else each expert's intermediate dim."""
+def run_ranks(world: int, jobs: list[tuple], expert_parallel: bool = False, pipeline: int = 1,
+              partition=None) -> list[tuple[list[list[int]], dict]]:
+    """For each job, the sampling rank's (outputs, runner stats). `world` ranks in all, in
+    `pipeline` stages (layers per stage: `partition`). MoE models split their experts across the
+    ranks with expert_parallel, else each expert's intermediate dim."""
     if world == 1:
         import torch
 
@@ -32,10 +35,12 @@ def run_ranks(world: int, jobs: list[tuple], expert_parallel: bool = False) -> l
         finally:
             torch.set_num_threads(threads)  # the runner set one thread, as each rank has
     ctx = mp.get_context("spawn")
-    plans = [ctx.Queue() for _ in range(world - 1)]
+    plans = [ctx.Queue() for _ in range(world)]  # the driving rank's stays unused
     out = ctx.Queue()
     port = free_port("127.0.0.1")
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, jobs, plans, out, expert_parallel), daemon=True)
+    layout = dict(expert_parallel=expert_parallel, pipeline_parallel_size=pipeline,
+                  pp_layer_partition=None if partition is None else tuple(partition))
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, jobs, plans, out, layout), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -59,7 +64,7 @@ def run_ranks(world: int, jobs: list[tuple], expert_parallel: bool = False) -> l
     return results
 
 
-def _rank_main(rank, world, port, jobs, plans, out, expert_parallel):
+def _rank_main(rank, world, port, jobs, plans, out, layout):
     import torch
 
     from workers.parallel import ParallelConfig, TensorParallel
@@ -67,9 +72,9 @@ def _rank_main(rank, world, port, jobs, plans, out, expert_parallel):
     torch.set_num_threads(1)
     try:
         parallel = TensorParallel.join(ParallelConfig(rank, world, "127.0.0.1", port, timeout_s=TIMEOUT_S,
-                                                         expert_parallel=expert_parallel), "cpu")
+                                                         **layout), "cpu")
         results = [_run_job(rank, parallel, plans, *j) for j in jobs]
-        if rank == 0:
+        if parallel.samples:
             out.put(("ok", results))
         parallel.close()
     except BaseException as e:  # report, so the test fails with the rank's error
@@ -85,16 +90,17 @@ def _run_job(rank, parallel, plans, runner_kw, prompts, samplings, max_new, chun
 
     runner = ModelRunner(RunnerConfig(device="cpu", num_threads=1, **runner_kw), parallel=parallel)
     runner.warmup()
-    if rank > 0:  # follow rank 0's plans until it says stop
-        while (data := plans[rank - 1].get(timeout=TIMEOUT_S)) is not None:
+    if not parallel.samples:  # follow the sampling rank's plans until it says stop
+        while (data := plans[rank].get(timeout=TIMEOUT_S)) is not None:
             if runner.execute(StepPlan.from_bytes(data)).token_ids:
-                raise AssertionError(f"rank {rank} returned sampled ids; only rank 0 should")
+                raise AssertionError(f"rank {rank} returned sampled ids; only the sampling rank should")
         return None
     execute = runner.execute
+    others = [q for r, q in enumerate(plans) if r != rank]
 
     def send_and_execute(plan):
         data = plan.to_bytes()  # serialized once: the same bytes for every rank
-        for q in plans:
+        for q in others:
             q.put(data)
         return execute(StepPlan.from_bytes(data))
 
@@ -103,6 +109,6 @@ def _run_job(rank, parallel, plans, runner_kw, prompts, samplings, max_new, chun
     for prompt, sampling in zip(prompts, samplings):
         driver.add(prompt, sampling)
     outputs = driver.generate(max_new)
-    for q in plans:
+    for q in others:
         q.put(None)
     return outputs, runner.stats()

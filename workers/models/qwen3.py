@@ -11,6 +11,11 @@ Under tensor parallelism (workers/parallel.py) each module holds its rank's slic
 rank's heads in attention, its part of the MLP's intermediate dim (or of each expert's, or its
 experts under expert parallelism), its rows of the vocab; o_proj, down_proj and MoE outputs are
 all-reduced, embed and logits do their vocab-parallel parts.
+
+Under pipeline parallelism (workers/pipeline.py) a stage holds only its layers (the others are
+parameterless placeholders, so names and layer numbers stay the checkpoint's), the first stage
+the embedding, the last the lm_head (and the embedding too when they are tied); forward runs
+the stage's layers and returns the residual stream after them.
 """
 
 from __future__ import annotations
@@ -262,11 +267,19 @@ class Qwen3DecoderLayer(nn.Module):
         return self.mlp(ops, w, h), residual
 
 
+class MissingLayer(nn.Module):
+    """A layer another pipeline stage holds: no weights, never called."""
+
+
 class Qwen3Model(nn.Module):
     def __init__(self, config: Qwen3Config, parallel: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(ShardedShape.of(config, parallel).vocab_rows, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, i, parallel) for i in range(config.num_hidden_layers))
+        stage = parallel.pipeline.layers(config.num_hidden_layers)
+        embedding = stage.is_first or (stage.is_last and config.tie_word_embeddings)  # tied: the lm_head too
+        self.embed_tokens = nn.Embedding(ShardedShape.of(config, parallel).vocab_rows if embedding else 0,
+                                         config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, i, parallel) if i in stage.indices else MissingLayer()
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -276,8 +289,9 @@ class Qwen3ForCausalLM(nn.Module):
         self.config = config  # the whole model's shape; the modules hold this rank's part
         self.parallel = parallel
         self.shape = ShardedShape.of(config, parallel)
+        self.stage = parallel.pipeline.layers(config.num_hidden_layers)  # the layers this rank holds
         self.model = Qwen3Model(config, parallel)
-        self.lm_head = nn.Linear(config.hidden_size, self.shape.vocab_rows, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, self.shape.vocab_rows if self.stage.is_last else 0, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # on the CPU even under torch.device("meta") (the loader's empty model): a factory on meta
@@ -288,6 +302,17 @@ class Qwen3ForCausalLM(nn.Module):
         self.released = False  # set by prepare(release=True)
         self.quant = None  # the QuantConfig its quantized linears came from (workers/quant), set by the loader
         self.embedding_in_lm_head = False  # a tied embedding's lookups read the lm_head's prepared copy
+
+    def holds(self, name: str) -> bool:
+        """Whether this rank's part of the model has checkpoint weight `name` (a pipeline stage
+        holds its own layers, and the embedding or lm_head only where it uses them)."""
+        if name.startswith("model.layers."):
+            return int(name.split(".", 3)[2]) in self.stage.indices
+        if name.startswith("model.embed_tokens."):
+            return self.model.embed_tokens.num_embeddings > 0
+        if name.startswith("lm_head."):
+            return self.stage.is_last
+        return True
 
     def tie_weights(self) -> None:
         """Re-point lm_head at the embedding (after `to_empty`, which unties them)."""
@@ -330,7 +355,7 @@ class Qwen3ForCausalLM(nn.Module):
         copy of its own; then, where the table can read every row back from that copy, lookups do
         and the embedding is freed (held once), else it is narrowed."""
         weight = self.model.embed_tokens.weight
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.stage.is_last:  # elsewhere no lm_head reads it
             if self.prepared.ops is None or not self.released or weight.numel() == 0:
                 return  # the lm_head may still be prepared from it, or read it where it lies
             if _storage_key(weight) in {_storage_key(t) for t in _tensors_in(self.prepared.lm)}:
@@ -368,16 +393,20 @@ class Qwen3ForCausalLM(nn.Module):
             raise RuntimeError("this model's weights were released after it was prepared: load it again")
         keep = {_storage_key(self.model.embed_tokens.weight)}
         layers = []
-        for layer in self.model.layers:
+        for i in self.stage.indices:
+            layer = self.model.layers[i]
             layers.append({**layer.self_attn.prepare(ops, self.dtype), **layer.mlp.prepare(ops, self.dtype)})
             if release:
                 _release(layer.parameters(), layers[-1], keep)
         weight = self.lm_head.weight
         if self.parallel.enabled:  # every rank computes its whole slice; rank 0 trims after the gather
             logits_rows = None
-        lm = ops.prepare_linear(weight if logits_rows is None else weight[:logits_rows], None)
+        lm = None
+        if self.stage.is_last:
+            lm = ops.prepare_linear(weight if logits_rows is None else weight[:logits_rows], None)
         if release:
-            _release([weight], lm, keep)
+            if lm is not None:
+                _release([weight], lm, keep)
             self.released = True
         self.prepared = PreparedWeights(ops, layers, lm)
 
@@ -395,7 +424,8 @@ class Qwen3ForCausalLM(nn.Module):
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 attn: AttentionMetadata) -> torch.Tensor:
-        """hidden [T, hidden] (embedded inputs), positions [T] -> [T, hidden] before the final norm."""
+        """hidden [T, hidden] (embedded inputs, or the previous pipeline stage's output), positions
+        [T] -> [T, hidden]: the residual stream after this stage's layers (before the final norm)."""
         p = self._prepared()
         ops = p.ops
         if self.inv_freq.dtype != torch.float32 or self.inv_freq.device != hidden.device:
@@ -404,8 +434,8 @@ class Qwen3ForCausalLM(nn.Module):
                                       self.config.rope_attention_factor)  # [T, head_dim] each
         attn = ops.attention.prepare(attn)
         x, residual = hidden, None
-        for i, layer in enumerate(self.model.layers):
-            x, residual = layer(ops, p.layers[i], x, residual, cos, sin, kv_cache, i, attn)
+        for j, i in enumerate(self.stage.indices):  # j: the layer's place in this stage's KV cache
+            x, residual = self.model.layers[i](ops, p.layers[j], x, residual, cos, sin, kv_cache, j, attn)
         return x + residual
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
