@@ -230,3 +230,26 @@ def test_a_request_on_the_worker_at_every_failure_is_failed_and_the_rest_recompu
     drive(sched, FakeRunner.for_scheduler(sched))
     assert_matches_reference(reqs[:2])
     assert sched.stats()["suspect_requests"] == 0
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("cfg", [{}, {"num_blocks": 12, "block_size": 4, "max_num_seqs": 4}])
+def test_pipeline_stages_keep_steps_in_flight_over_disjoint_requests(stages, cfg):
+    """With max_concurrent_batches (pipeline stages) no request is in two steps in flight, the
+    decodes split about evenly over the steps, and the sequences are the step-by-step ones."""
+    reqs = workload()
+    sched = make_scheduler(**cfg, requests=reqs, max_concurrent_batches=stages)
+    runner = FakeRunner.for_scheduler(sched)
+    inflight, sizes = [], []
+    while sched.has_unfinished():
+        while len(inflight) < stages and (plan := sched.schedule()) is not None:
+            slots = {row.slot for step in inflight for row in step.rows if row.num_tokens == 1}
+            decodes = [row for row in plan.rows if row.num_tokens == 1]
+            assert not slots & {row.slot for row in decodes}  # a request in flight gets no row
+            assert all(row.token != USE_RESIDENT for row in decodes)  # its input token is known
+            sizes.append(len(decodes))
+            inflight.append(plan)
+        sched.update(runner.execute(inflight.pop(0)))
+    assert_matches_reference(reqs, sched.config.max_total_tokens)
+    running = len(reqs) if not cfg else cfg["max_num_seqs"]
+    assert max(sizes) <= -(-running // stages)  # no step takes more than its share of the decodes
