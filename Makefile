@@ -72,6 +72,12 @@ lint: venv
 test-serve: venv
 	$(BIN)/python -m pytest -q -m serve tests/serve
 
+# pipeline parallelism across nodes (tests/multinode): stages on the raylets of a local multi-node Ray
+# (ray.cluster_utils, faked NPUs), equal to HF, a stage killed, a node removed.
+.PHONY: test-multinode
+test-multinode: venv
+	$(BIN)/python -m pytest -q -m multinode tests/multinode
+
 # `ray up` of deploy/ascend-cluster.yaml on loopback nodes of this machine (root + apt).
 .PHONY: test-deploy
 test-deploy: venv

@@ -92,9 +92,9 @@ class Pipeline:
 
     def expect_ids(self, slots: torch.Tensor) -> None:
         """First stage: this step samples into `slots` [B]; its ids arrive from the last stage."""
-        ids = torch.empty(len(slots), dtype=torch.int64)
+        ids = torch.empty(len(slots), dtype=torch.int64, device=slots.device)
         work = torch.distributed.irecv(ids, self._peer(self.num_stages - 1), group=self.group)
-        self._pending_ids.append((slots, ids, work))
+        self._pending_ids.append((slots.clone(), ids, work))  # slots: a view of the step's reused staging
 
     def take_ids(self, last_tokens: torch.Tensor, keep: int) -> None:
         """First stage: write the ids of all but the `keep` newest steps still pending into

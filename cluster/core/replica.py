@@ -186,6 +186,7 @@ class Replica:
         info = dict(infos[self._result_rank])  # the sampling rank's: the vocab and what it decides
         info["step_channel"] = "socket" if self.channels else "ray"
         info["ranks"] = [{k: i[k] for k in ("pid", "node_id", "visible_devices", "pipeline_stage")} for i in infos]
+        self.info = info  # where the ranks run now (a rebuilt group may sit on other nodes)
         return info
 
     def shutdown(self) -> None:
