@@ -33,7 +33,8 @@ def _deselect_opt_in_unless_asked(config, items) -> None:
     """Tests marked `deploy` install and start system services (sshd, a two-node Ray
     cluster), tests marked `serve` start a multi-node Ray of their own with Ray Serve and tests
     marked `multinode` one without: they run only when asked for by marker (`make test-deploy`:
-    -m deploy, `make test-serve`: -m serve, `make test-multinode`: -m multinode), never as part of a plain `pytest` / `make test`, whatever other -m is given."""
+    -m deploy, `make test-serve`: -m serve, `make test-multinode`: -m multinode), never as part
+    of a plain `pytest` / `make test`, whatever other -m is given."""
     asked = config.getoption("markexpr") or ""
     skipped = [m for m in OPT_IN if m not in asked]
     kept = [item for item in items if not any(item.get_closest_marker(m) for m in skipped)]
