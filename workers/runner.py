@@ -367,6 +367,7 @@ class ModelRunner:
             self.last_tokens.zero_()
             self.num_steps, self.num_tokens, self.num_lm_head_argmax_steps = steps, tokens, argmax_steps
             self.parallel.collective_s, self.parallel.num_collectives = collective
+            self.pipeline.bytes_sent, self.pipeline.recv_wait_s = 0, 0.0  # stats count served steps only
         if (self.config.choose_decode_threads and self.cpu_threads is not None and self.cpu_threads[0] > 1
                 and not self.parallel.enabled and not self.pipeline.enabled):
             self._choose_decode_threads()

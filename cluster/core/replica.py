@@ -187,6 +187,9 @@ class Replica:
         info["step_channel"] = "socket" if self.channels else "ray"
         info["ranks"] = [{k: i[k] for k in ("pid", "node_id", "visible_devices", "pipeline_stage")} for i in infos]
         self.info = info  # where the ranks run now (a rebuilt group may sit on other nodes)
+        if len(infos) > 1:
+            log.info("replica %d: ranks (pipeline stage, node): %s", self.index,
+                     [(i["pipeline_stage"], i["node_id"][:12]) for i in infos])
         return info
 
     def shutdown(self) -> None:
