@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -42,6 +43,9 @@ def _engine_args(p: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGrou
                    help="int8: quantize an unquantized checkpoint's linears at load (per-channel weights, per-token "
                         "activations); the others name the checkpoint's own format (read from it by default)")
     m.add_argument("--max-model-len", type=int, default=None)
+    m.add_argument("--speculative-config", default=None, type=_json_object,
+                   help='speculative decoding, vLLM\'s keys as JSON, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
     k.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (CPU)")
     k.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one batch")
     k.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
@@ -81,13 +85,23 @@ def _engine_args(p: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGrou
     return {"model": m, "batching": k, "parallel": t, "reliability": r, "advanced": a}
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r:.80}")
+    return value
+
+
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     kw = dict(model=a.model, device=a.device, num_replicas=a.replicas, dtype=a.dtype, quantization=a.quantization,
               num_kv_blocks=a.num_kv_blocks, max_model_len=a.max_model_len, threads_per_worker=a.threads_per_worker,
               prefill_threads_per_worker=a.prefill_threads_per_worker,
               accelerator_resource=a.accelerator_resource, enforce_eager=a.enforce_eager, graph_sizes=a.graph_sizes,
               tensor_parallel_size=a.tensor_parallel_size, enable_expert_parallel=a.enable_expert_parallel,
-              pipeline_parallel_size=a.pipeline_parallel_size,
+              pipeline_parallel_size=a.pipeline_parallel_size, speculative_config=a.speculative_config,
               pp_layer_partition=a.pp_layer_partition or os.environ.get("VLLM_PP_LAYER_PARTITION") or None)
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "generation_config",
                  "step_channel", "trust_request_chat_template", "max_request_failures", "grammar_compile_timeout_s",

@@ -23,6 +23,7 @@ from workers.runner_config import (
     check_quantization,
     device_outputs_enabled,
 )
+from workers.spec_config import SpeculativeConfig
 from workers.stage_layers import check_partition
 
 GENERATION_CONFIG_MODES = ("auto", "none")
@@ -77,6 +78,9 @@ class EngineConfig:
     VLLM_PP_LAYER_PARTITION, e.g. "5,3": the last stage also holds the lm_head); stages go on
     different nodes when no node holds the whole replica, pass activations worker to worker, and
     keep as many steps in flight as there are stages, over disjoint requests.
+    `speculative_config` (vLLM's keys: method "ngram", num_speculative_tokens, prompt_lookup_min /
+    _max) lets a greedy request's decode row verify up to num_speculative_tokens drafted tokens in
+    one step; the output is the same tokens as without it.
     `fake_step_s` (benchmarks only: `raylm bench --driver-capacity`) starts workers that load no
     model and answer each step's sampling rows with ids of their own after that many seconds, a
     device's step time stood in for (0: at once; workers/fake_runner.py), through the real step
@@ -145,6 +149,7 @@ class EngineConfig:
     enable_expert_parallel: bool = False  # MoE under TP: whole experts per rank, not a slice of each
     pipeline_parallel_size: int = 1
     pp_layer_partition: list[int] | str | None = None  # layers per stage; None: balanced by layer count
+    speculative_config: dict | SpeculativeConfig | None = None  # vLLM's keys (workers/spec_config.py)
     # ---- reliability: timeouts, healing, hostile input ----
     step_timeout_s: float = 120.0
     max_worker_restarts: int = 3
@@ -198,6 +203,16 @@ class EngineConfig:
         if self.device == "npu":
             check_npu_block_size(self.block_size)
         check_int("num_kv_blocks", self.num_kv_blocks, 2, optional=True)
+        self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.speculative_config is not None:
+            for name, value in (("tensor_parallel_size", self.tensor_parallel_size),
+                                ("pipeline_parallel_size", self.pipeline_parallel_size)):
+                if value != 1:
+                    raise ValueError(f"speculative_config runs with {name} 1 for now, got {value}")
+            if self.fake_step_s is not None:
+                raise ValueError("speculative_config needs a model: fake workers (fake_step_s) draft nothing")
+            if self.device_outputs is False:
+                raise ValueError("speculative_config verifies drafts on the worker: device_outputs must not be False")
         check_fraction("memory_fraction", self.memory_fraction)
         check_int("max_num_seqs", self.max_num_seqs, 1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
@@ -274,7 +289,7 @@ class EngineConfig:
             and self.tensor_parallel_size == self.pipeline_parallel_size == 1,
             enforce_eager=self.enforce_eager, graph_sizes=None if self.graph_sizes is None else tuple(self.graph_sizes),
             prepare_structured_output=self.prepare_structured_output, step_channel=self.resolved_step_channel,
-            fake_step_s=self.fake_step_s,
+            fake_step_s=self.fake_step_s, speculative=self.speculative_config,
         )
 
     @property
@@ -291,7 +306,14 @@ class EngineConfig:
             num_blocks=num_blocks, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=self.enable_prefix_caching, max_concurrent_batches=self.pipeline_parallel_size,
+            num_lookahead_tokens=self.num_lookahead_tokens,
         )
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Drafted tokens a decode row may verify (speculative decoding); 0 without it."""
+        spec = self.speculative_config
+        return 0 if spec is None else spec.num_speculative_tokens
 
     @property
     def ranks_per_replica(self) -> int:

@@ -30,6 +30,8 @@ class RequestMetrics:
     latency: float | None = None  # seconds from arrival to finish
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: tokens drafted for it
+    num_accepted_tokens: int = 0  # of those, accepted (acceptance rate: accepted / drafted)
 
 
 @dataclass

@@ -38,7 +38,7 @@ from scheduler.checks import check_int, is_int, is_number
 from scheduler.grammar_spec import GrammarSpec
 
 USE_RESIDENT = -1
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_LOGPROBS = 20  # top-n logprobs a request may ask for (SamplingParams.logprobs)
 MAX_LOGIT_BIAS = 300  # entries one request's logit_bias may hold (OpenAI's own limit)
 PENALTY_RANGE = 2.0  # presence_penalty and frequency_penalty lie in [-PENALTY_RANGE, PENALTY_RANGE]
@@ -194,6 +194,12 @@ class WorkerSampling:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def speculable(self, position: int) -> bool:
+        """Whether a row sampling at `position` and after may take drafted tokens: plain greedy
+        (the argmax of the raw logits), with nothing that masks, penalises or reports."""
+        return (self.temperature == 0 and not self.has_penalties and self.grammar is None
+                and self.logprobs is None and self.ban_until <= position)
+
     @property
     def counts_tokens(self) -> bool:
         """Whether its penalties read the request's token counts."""
@@ -318,6 +324,11 @@ class StepResult:
     mode `logits` holds the sampling rows' logits as raw bytes, `logits_shape` is
     (rows, real vocab) and `logits_dtype` names the dtype; with device sampling
     `logits` is b"" and `logits_shape` is (rows, 0).
+
+    With speculative decoding a row may return several ids: `num_ids` then holds each sampling
+    row's count (packed int32, 1 to k + 1: its accepted drafts and the token after them) and
+    `token_ids` their ids row after row; `num_drafted` each row's drafted count. Both are b""
+    when every row returned one id and nothing was drafted.
     """
 
     step_id: int
@@ -328,6 +339,8 @@ class StepResult:
     logits_shape: tuple[int, int] = (0, 0)
     logits_dtype: str = "float32"
     step_time: float = 0.0  # seconds the worker spent executing the plan
+    num_ids: bytes = b""
+    num_drafted: bytes = b""
 
     def sampled_ids(self) -> list[int]:
         return unpack_int32(self.token_ids)
@@ -344,6 +357,8 @@ class StepResult:
                 list(self.logits_shape),
                 self.logits_dtype,
                 self.step_time,
+                self.num_ids,
+                self.num_drafted,
             ],
             use_bin_type=True,
             use_single_float=True,
@@ -352,10 +367,11 @@ class StepResult:
     @classmethod
     def from_bytes(cls, data: bytes) -> StepResult:
         try:
-            version, step_id, slots, ids, lps, logits, shape, dtype, step_time = msgpack.unpackb(data, raw=False)
+            (version, step_id, slots, ids, lps, logits, shape, dtype, step_time, num_ids,
+             num_drafted) = msgpack.unpackb(data, raw=False)
             _check_version(version)
-            if not isinstance(ids, bytes) or not isinstance(logits, bytes):
-                raise ProtocolError("token_ids and logits must be bytes")
+            if not all(isinstance(b, bytes) for b in (ids, logits, num_ids, num_drafted)):
+                raise ProtocolError("token_ids, logits, num_ids and num_drafted must be bytes")
             return cls(
                 step_id=step_id,
                 slots=list(slots),
@@ -365,6 +381,8 @@ class StepResult:
                 logits_shape=(int(shape[0]), int(shape[1])),
                 logits_dtype=dtype,
                 step_time=float(step_time),
+                num_ids=num_ids,
+                num_drafted=num_drafted,
             )
         except ProtocolError:
             raise

@@ -21,6 +21,13 @@ meanwhile are discarded. Results must arrive in step order.
 With max_concurrent_batches B > 1 (pipeline stages) steps in flight hold disjoint requests:
 a request whose sampled token is in flight gets no decode row, and a step takes at most
 1/B of the running decodes, so B steps of about equal size keep B stages busy.
+
+With speculative decoding (num_lookahead_tokens k > 0) a greedy request's decode row may
+verify up to k tokens the worker drafts: the row is budgeted and given blocks for 1 + k
+positions (fewer where max_tokens, max_model_len, the budget or the free blocks say so; never
+by preempting), and its result brings 1 to k + 1 ids. Only then are the next positions known,
+so such a request sits out the steps dispatched while its row is in flight (others fill them);
+the K/V of its rejected positions is simply overwritten later.
 """
 
 from __future__ import annotations
@@ -64,6 +71,9 @@ class Scheduler:
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
         self._num_preemptions = 0
+        self._num_draft_tokens = 0  # speculative decoding: tokens drafted, accepted, rows that had drafts
+        self._num_accepted_tokens = 0
+        self._num_verify_rows = 0
         self._slots = SlotPool(config.max_num_seqs)
         # chain hash -> the running request computing that full block (not yet published)
         self._claims: dict[bytes, Request] = {}
@@ -154,7 +164,7 @@ class Scheduler:
         running = self._running
         budget = step.budget
         preempted = False
-        batches = self.config.max_concurrent_batches
+        batches, lookahead = self.config.max_concurrent_batches, self.config.num_lookahead_tokens
         max_rows = -(-len(running) // batches) if batches > 1 else len(running)
         for req in list(running):
             if not budget or len(rows) >= max_rows:
@@ -166,7 +176,8 @@ class Scheduler:
                 prefilling.append(req)
                 continue
             outputs, pending = req.output_token_ids, req.num_inflight_samples
-            if pending and batches > 1:
+            speculates = lookahead and req.worker_sampling.speculable(c + 1)
+            if pending and (batches > 1 or speculates):
                 continue  # in a step still in flight: the next step's rows are other requests
             n_out = len(outputs)
             n_known = len(req.prompt_token_ids) + n_out
@@ -184,9 +195,14 @@ class Scheduler:
                     break  # it was the newest: nothing after it
                 new_blocks = bm.allocate(1)
                 req.block_ids += new_blocks
+            drafts = self._lookahead(req, c, n_out, n_known, budget, new_blocks) if speculates else 0
+            if drafts:
+                step.lookahead[len(samples)] = drafts
+                budget -= drafts
             # the input is the last known token, or the one still in flight
             slot = req.slot
-            rows.append(ScheduledRow(slot, 1, new_blocks, outputs[c - n_known] if c < n_known else USE_RESIDENT))
+            rows.append(ScheduledRow(slot, 1 + drafts, new_blocks,
+                                     outputs[c - n_known] if c < n_known else USE_RESIDENT))
             req.num_computed_tokens = c + 1
             req.num_inflight_samples = pending + 1
             if req.params.logprobs is not None:
@@ -198,6 +214,23 @@ class Scheduler:
             budget -= 1
         step.budget = budget
         return preempted
+
+    def _lookahead(self, req: Request, c: int, n_out: int, n_known: int, budget: int, new_blocks: list[int]) -> int:
+        """How many drafted tokens the decode row of `req` (input at position c) may verify: at most
+        num_lookahead_tokens, what max_tokens, max_model_len and the step's budget leave, and what
+        the blocks it holds or can take without preempting hold. Takes those blocks."""
+        bs, bm = self.config.block_size, self.block_manager
+        n = min(self.config.num_lookahead_tokens, req.params.max_tokens - n_out - 1, self._max_len - n_known - 1,
+                budget - 1)
+        if n <= 0:
+            return 0
+        held = len(req.block_ids)
+        more = min(-(-(c + n + 1) // bs) - held, bm.num_free)
+        if more > 0:
+            taken = bm.allocate(more)
+            req.block_ids += taken
+            new_blocks += taken
+        return min(n, len(req.block_ids) * bs - c - 1)
 
     def _admit(self, step: Step) -> None:
         bm, bs = self.block_manager, self.config.block_size
@@ -269,7 +302,7 @@ class Scheduler:
         if not self._inflight:
             raise ValueError(f"result for step {result.step_id} but no step is in flight")
         step = self._inflight[0]
-        ids = step.check(result)
+        ids, counts, drafted = step.check(result)
         self._inflight.popleft()
 
         for req, admission, computed in step.confirms:
@@ -280,7 +313,12 @@ class Scheduler:
         updates = []
         now = time.monotonic()
         max_len = self._max_len
+        start = 0
         for k, (req, position) in enumerate(step.samples):
+            n = 1 if counts is None else counts[k]
+            if drafted is not None and drafted[k]:
+                self._count_speculation(req, drafted[k], n - 1)
+            start += n
             if req.status is FINISHED:
                 continue  # finished meanwhile: the extra token is discarded
             if position != len(req.prompt_token_ids) + len(req.output_token_ids):
@@ -289,17 +327,37 @@ class Scheduler:
             if req.num_failures:  # it was sampled: it did not take the worker down
                 req.num_failures = 0
                 self._num_suspects -= 1
-            token = ids[k]
             new_logprobs = []
-            if req.params.logprobs is not None:
-                lp = logprobs[k]
-                new_logprobs = [SampleLogprobs(token, lp.sampled, lp.top_ids, lp.top_logprobs)]
-            reason = req.append_output(token, new_logprobs, now, max_len)
+            if n == 1:
+                token = ids[start - 1]
+                if req.params.logprobs is not None:
+                    lp = logprobs[k]
+                    new_logprobs = [SampleLogprobs(token, lp.sampled, lp.top_ids, lp.top_logprobs)]
+                reason = req.append_output(token, new_logprobs, now, max_len)
+                new_ids = [token]
+            else:  # a verified run: its drafts' K/V stay, up to the first token that stops it
+                new_ids = []
+                for token in ids[start - n:start]:
+                    new_ids.append(token)
+                    reason = req.append_output(token, [], now, max_len)
+                    if reason is not None:
+                        break
+                if reason is None and req.status is RUNNING:
+                    req.num_computed_tokens += n - 1
+                    if self.config.enable_prefix_caching:
+                        self._publish(req, req.num_computed_tokens)
             if reason is not None:
                 self._finish(req, reason, now)
-            updates.append(RequestUpdate(req, [token], new_logprobs, reason is not None))
-        self._num_generated_tokens += len(updates)
+            updates.append(RequestUpdate(req, new_ids, new_logprobs, reason is not None))
+            self._num_generated_tokens += len(new_ids)
         return updates
+
+    def _count_speculation(self, req: Request, drafted: int, accepted: int) -> None:
+        req.num_draft_tokens += drafted
+        req.num_accepted_tokens += accepted
+        self._num_draft_tokens += drafted
+        self._num_accepted_tokens += accepted
+        self._num_verify_rows += 1
 
     def sampling_rows(self, step_id: int) -> list[tuple[WorkerSampling, int]]:
         """Each sampling row of an in-flight step (plan order): its params and the position it samples."""
@@ -473,7 +531,8 @@ class Scheduler:
         included, prefix-cache hits not); generated_tokens: tokens appended by update();
         prefix_waits: times an admission waited for a block another request was computing;
         poisoned_requests: failed by recover() as the likely cause of repeated worker failures;
-        suspect_requests: unfinished ones with a worker failure on their record."""
+        suspect_requests: unfinished ones with a worker failure on their record; spec_*: speculative
+        decoding's drafted and accepted tokens and the rows that verified drafts."""
         bm = self.block_manager
         return {
             "steps": self._num_steps,
@@ -490,4 +549,12 @@ class Scheduler:
             "num_waiting": len(self._waiting),
             "poisoned_requests": self._num_poisoned,
             "suspect_requests": self._num_suspects,
+            "spec_draft_tokens": self._num_draft_tokens,
+            "spec_accepted_tokens": self._num_accepted_tokens,
+            "spec_verify_rows": self._num_verify_rows,
+            "spec_acceptance_rate": self._num_accepted_tokens / self._num_draft_tokens if self._num_draft_tokens
+            else 0.0,
+            # tokens each verifying row produced: its accepted drafts and the one after them
+            "spec_mean_accepted_length": 1 + self._num_accepted_tokens / self._num_verify_rows
+            if self._num_verify_rows else 0.0,
         }

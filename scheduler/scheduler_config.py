@@ -20,6 +20,9 @@ class SchedulerConfig:
     # steps in flight over disjoint requests (pipeline stages): >1 keeps a request out of a step
     # while its last one is in flight and gives each step at most 1/max_concurrent_batches of the decodes
     max_concurrent_batches: int = 1
+    # speculative decoding: the most drafted tokens a decode row may verify (0: none); such a row
+    # reserves KV and budget for them, and a request waits for its row's result before its next row
+    num_lookahead_tokens: int = 0
 
     @property
     def max_total_tokens(self) -> int:

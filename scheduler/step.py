@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler.protocol import NewRequest, ScheduledRow, StepPlan, StepResult
+from scheduler.protocol import NewRequest, ScheduledRow, StepPlan, StepResult, unpack_int32
 from scheduler.request import Request
 
 
@@ -16,7 +16,7 @@ class Step:
     """
 
     __slots__ = ("step_id", "budget", "rows", "new_requests", "samples", "slots", "confirms", "logprob_rows",
-                 "prefill_tokens", "_bs", "_caching")
+                 "lookahead", "prefill_tokens", "_bs", "_caching")
 
     def __init__(self, step_id: int, budget: int, block_size: int, caching: bool) -> None:
         self.step_id = step_id
@@ -28,6 +28,7 @@ class Step:
         # (request, admission, computed after) for rows filling blocks
         self.confirms: list[tuple[Request, int, int]] = []
         self.logprob_rows: list[int] = []  # indexes into samples of requests that asked for logprobs
+        self.lookahead: dict[int, int] = {}  # index into samples -> drafts its row may verify (speculation)
         self.prefill_tokens = 0
         self._bs = block_size
         self._caching = caching
@@ -51,22 +52,39 @@ class Step:
     def has_row_for(self, slot: int) -> bool:
         return any(r.slot == slot for r in self.rows)
 
-    def check(self, result: StepResult) -> list[int]:
-        """The result's sampled ids, once it is known to answer this step; else ValueError."""
+    def check(self, result: StepResult) -> tuple[list[int], list[int] | None, list[int] | None]:
+        """The result's ids, each sampling row's count of them and of its drafts (None: one id
+        each, nothing drafted), once the result is known to answer this step; else ValueError."""
         if result.step_id != self.step_id:
             raise ValueError(f"result for step {result.step_id} arrived; step {self.step_id} must come first")
         if list(result.slots) != self.slots:
             raise ValueError(f"step {self.step_id}: result slots {result.slots} "
                              f"are not the sampling rows' {self.slots}")
-        ids = result.sampled_ids()  # [rows] int32
-        if len(ids) != len(self.samples):
-            raise ValueError(f"step {self.step_id}: {len(ids)} sampled ids for {len(self.samples)} sampling rows")
+        ids = result.sampled_ids()  # [ids] int32
+        counts = unpack_int32(result.num_ids) if result.num_ids else None
+        drafted = unpack_int32(result.num_drafted) if result.num_drafted else None
+        if counts is None:
+            if len(ids) != len(self.samples):
+                raise ValueError(f"step {self.step_id}: {len(ids)} sampled ids for {len(self.samples)} sampling rows")
+        else:
+            look = self.lookahead
+            if len(counts) != len(self.samples) or sum(counts) != len(ids):
+                raise ValueError(f"step {self.step_id}: {len(ids)} ids in {len(counts)} row counts "
+                                 f"for {len(self.samples)} sampling rows")
+            bad = [k for k, n in enumerate(counts) if not 1 <= n <= 1 + look.get(k, 0)]
+            if bad:
+                raise ValueError(f"step {self.step_id}: row {bad[0]} returned {counts[bad[0]]} ids, "
+                                 f"expected 1 to {1 + look.get(bad[0], 0)}")
+            if drafted is not None and (len(drafted) != len(counts)
+                                        or any(not n - 1 <= d <= look.get(k, 0) for k, (n, d)
+                                               in enumerate(zip(counts, drafted)))):
+                raise ValueError(f"step {self.step_id}: draft counts {drafted!r:.80} do not fit the rows")
         if self.logprob_rows:
             have = {lp.row for lp in result.logprobs}
             missing = [k for k in self.logprob_rows if k not in have]
             if missing:
                 raise ValueError(f"step {self.step_id}: rows {missing} asked for logprobs and have none")
-        return ids
+        return ids, counts, drafted
 
     def plan(self, finished: list[int], preempted: list[int]) -> StepPlan:
         return StepPlan(self.step_id, self.new_requests, self.rows, finished, preempted)

@@ -56,10 +56,12 @@ def reference(prompt, params: SamplingParams, eos=frozenset({EOS}), max_total: i
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-                   max_model_len=256, enable_prefix_caching=True, requests=(), max_concurrent_batches=1) -> Scheduler:
+                   max_model_len=256, enable_prefix_caching=True, requests=(), max_concurrent_batches=1,
+                   num_lookahead_tokens=0) -> Scheduler:
     """A scheduler of this shape, with `requests` added in order."""
     sched = Scheduler(SchedulerConfig(num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
-                                      max_model_len, enable_prefix_caching, max_concurrent_batches))
+                                      max_model_len, enable_prefix_caching, max_concurrent_batches,
+                                      num_lookahead_tokens))
     for r in requests:
         sched.add_request(r)
     return sched
@@ -95,6 +97,9 @@ class FakeRunner:
     kv: dict = field(default_factory=dict)  # (block, offset) -> (token, state)
     plans: list = field(default_factory=list)
     num_sampled: int = 0
+    # speculative decoding: whether the draft for position p is the model's own token (else a wrong
+    # one); a decode row of n tokens drafts n - 1 and verifies them like a worker
+    draft_right: object = None
 
     @classmethod
     def for_scheduler(cls, sched: Scheduler, **kw) -> FakeRunner:
@@ -122,7 +127,7 @@ class FakeRunner:
             for p in range(nr.num_computed):  # prefix-cache hits must hold exactly these tokens
                 assert self._entry(st, p)[0] == nr.token_ids[p], f"cached block holds wrong token at {p}"
             self.slots[nr.slot] = st
-        ids, slots, logprobs = [], [], []
+        ids, slots, logprobs, counts, drafts = [], [], [], [], []
         seen = set()
         for row in plan.rows:
             assert row.slot not in seen, "two rows for one slot"
@@ -135,8 +140,17 @@ class FakeRunner:
             if row.token is None:
                 assert c + n <= len(st.tokens), "prefill row beyond the known tokens"
             else:
-                assert n == 1 and c == len(st.tokens) - 1, "decode row is not at the last sampled token"
+                assert n == 1 or self.draft_right is not None, "a decode row with lookahead, not speculating"
+                assert c == len(st.tokens) - 1, "decode row is not at the last sampled token"
                 assert row.token == USE_RESIDENT or row.token == st.tokens[c], "decode input is not the last token"
+                if n > 1:
+                    assert st.sampling.speculable(c + 1), "lookahead for a row that cannot take drafts"
+                    run, drafted = self._verify(row.slot, st, c, n)
+                    ids += run
+                    counts.append(len(run))
+                    drafts.append(drafted)
+                    slots.append(row.slot)
+                    continue
             for p in range(c, c + n):
                 block = st.table[p // bs]
                 assert self._holders(block) == [row.slot], f"block {block} written while shared"
@@ -147,14 +161,43 @@ class FakeRunner:
                 ws = st.sampling
                 token = model_token(self._entry(st, c + n - 1)[1], c + n, ws.ban_until, set(ws.banned_ids))
                 if ws.logprobs is not None:
-                    logprobs.append(RowLogprobs(len(ids), -token / 100, [token] * ws.logprobs,
+                    logprobs.append(RowLogprobs(len(slots), -token / 100, [token] * ws.logprobs,
                                                 [-token / 100] * ws.logprobs))
                 st.tokens.append(token)
                 self.num_sampled += 1
                 ids.append(token)
                 slots.append(row.slot)
-        result = StepResult(plan.step_id, slots, pack_int32(ids), logprobs, logits_shape=(len(ids), 0))
+                counts.append(1)
+                drafts.append(0)
+        result = StepResult(plan.step_id, slots, pack_int32(ids), logprobs, logits_shape=(len(slots), 0))
+        if self.draft_right is not None:
+            result.num_ids, result.num_drafted = pack_int32(counts), pack_int32(drafts)
         return StepResult.from_bytes(result.to_bytes()) if self.codec else result
+
+    def _verify(self, slot: int, st: _Slot, c: int, n: int) -> tuple[list[int], int]:
+        """A decode row of n tokens: its input and n - 1 drafts (right where draft_right says), each
+        position's K/V written and its token chosen; the drafts are accepted up to the first wrong one."""
+        bs = self.block_size
+        state = self._entry(st, c - 1)[1] if c else 0
+        inputs, outs = [st.tokens[c]], []
+        for j in range(n):
+            p = c + j
+            block = st.table[p // bs]
+            assert self._holders(block) == [slot], f"block {block} written while shared"
+            state = mix(state, inputs[j])
+            self.kv[(block, p % bs)] = (inputs[j], state)
+            ws = st.sampling
+            outs.append(model_token(state, p + 1, ws.ban_until, set(ws.banned_ids)))
+            if j < n - 1:
+                inputs.append(outs[j] if self.draft_right(p + 1) else (outs[j] + 1) % VOCAB)
+        accepted = 0
+        while accepted < n - 1 and inputs[accepted + 1] == outs[accepted]:
+            accepted += 1
+        run = outs[:accepted + 1]
+        st.tokens += run
+        st.computed = c + accepted + 1
+        self.num_sampled += len(run)
+        return run, n - 1
 
 
 def check_invariants(sched: Scheduler) -> None:

@@ -11,6 +11,12 @@ Under tensor parallelism every rank runs the same plan on its shard; logits are 
 to rank 0, which samples and broadcasts the ids, so every rank keeps the same last_tokens.
 Only rank 0's result means anything.
 
+With speculative decoding (config.speculative) a decode row may bring room for k drafts: the
+runner drafts them from the request's own tokens (prompt lookup), computes the input token and
+the drafts in one pass, takes the argmax at each position and accepts the drafts up to the first
+that differs, all on the device; the row returns its accepted ids and the one after them, and
+the rejected positions' K/V is left to be overwritten.
+
 Under pipeline parallelism (workers/pipeline.py) every stage runs the same plan over its own
 layers: the first embeds, the others take the previous stage's output, and the last samples
 and sends the ids to the first (only the last stage's tensor rank 0 has a result).
@@ -22,6 +28,7 @@ import functools
 import logging
 import time
 
+import numpy as np
 import torch
 
 from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, StepResult, WorkerSampling
@@ -51,6 +58,7 @@ from workers.loader import (
     weights_fingerprint,
 )
 from workers.models.qwen3 import Qwen3ForCausalLM
+from workers.ngram import propose_ngram
 from workers.ops import get_op_table
 from workers.parallel import SINGLE, TensorParallel
 from workers.quant import QuantConfig, quantize_at_load
@@ -62,7 +70,7 @@ from workers.sampling.sampler import Sampler, SamplerOutput, row_logprobs
 from workers.sampling.slot_sampling import SlotSampling
 from workers.slot_table import SlotTable
 from workers.staging import StepStaging
-from workers.step_inputs import build_step_inputs
+from workers.step_inputs import Verify, build_step_inputs
 
 log = logging.getLogger(__name__)
 # one thread must beat the configured count by this factor to be chosen for decode steps: a close
@@ -116,9 +124,17 @@ class ModelRunner:
                              f"{'scaled RoPE length' if mc.rope_scaling else 'max_position_embeddings'} "
                              f"{mc.max_model_len}")
         graph_device, use_graphs = self._allocate_kv_cache(config, parallel)
+        self.speculative = config.speculative
+        if self.speculative is not None and not device_outputs_enabled(config.device_outputs):
+            raise ValueError("speculative decoding verifies drafts on the worker: device outputs must be on")
+        if self.speculative is not None and (parallel.enabled or self.pipeline.enabled):
+            raise ValueError("speculative decoding runs on one rank per replica for now "
+                             "(tensor_parallel_size and pipeline_parallel_size 1)")
         self.slots = SlotTable(max_num_seqs=config.max_num_seqs, num_blocks=self.num_kv_blocks,
                                block_size=config.block_size, max_model_len=self.max_model_len,
-                               vocab_size=mc.vocab_size, max_num_batched_tokens=config.max_num_batched_tokens)
+                               vocab_size=mc.vocab_size, max_num_batched_tokens=config.max_num_batched_tokens,
+                               max_lookahead=0 if self.speculative is None else self.speculative.num_speculative_tokens)
+        self.num_draft_tokens = self.num_accepted_tokens = self.num_verify_rows = 0
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)  # [slots]
         self.outputs = ResidentOutputs(self.device)
         self.sampler = Sampler(self.device, seed=config.seed, buffers=self.outputs)  # its scratch is resident too
@@ -233,13 +249,88 @@ class ModelRunner:
                 self.slot_sampling.admit(req.slot, state.sampling, state.token_ids, state.num_prompt)
         result = StepResult(step_id=plan.step_id, logits_shape=(0, 0 if self.device_outputs else self.vocab_size))
         if rows:
+            if self.speculative is not None:
+                self._draft(rows)
             self._set_step_threads(plan.num_tokens)
             with torch.inference_mode():
-                self._run(rows, result)
+                verified = self._run(rows, result)
+            if self.speculative is not None:
+                self._record_speculation(rows, result, verified)
             self.num_steps += 1
             self.num_tokens += plan.num_tokens
         result.step_time = time.perf_counter() - t0
         return result
+
+    def _draft(self, rows) -> None:
+        """Drafts for the decode rows that have room for them and sample plainly greedily: prompt
+        lookup over the request's tokens (what the worker was sent and what it sampled since)."""
+        spec = self.speculative
+        for w in rows:
+            if w.lookahead and w.state.sampling.speculable(w.start + 1):
+                state = w.state
+                if len(state.token_ids) + len(state.generated) != w.start + 1:
+                    continue  # its input token is not one this worker knows in place: no drafts
+                seq = np.array(state.token_ids + state.generated, dtype=np.int64)
+                w.draft = propose_ngram(seq, min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max,
+                                        k=w.lookahead) or None
+
+    def _verify(self, v: Verify, hidden: torch.Tensor) -> np.ndarray:
+        """Each verifying row's argmax at its positions, on the device; its accepted drafts are
+        the leading ones equal to them. Keeps each row's last accepted id resident. Returns, on
+        the host, the [R, k + 1] argmax grid followed by the R accepted-draft counts."""
+        r, k = len(v.work), v.k
+        h = hidden.index_select(0, v.indices)  # [V, hidden]
+        ids = self.model.greedy_ids(h, self.vocab_size)  # [V]
+        if ids is None:
+            ids = self.model.compute_logits(h, torch.empty(len(h), self.vocab_size, device=h.device)).argmax(-1)
+        grid = torch.full((r * (k + 1),), -1, dtype=torch.int64, device=h.device)
+        grid = grid.index_copy_(0, v.grid_index, ids.to(torch.int64)).view(r, k + 1)
+        accepted = (grid[:, :k] == v.drafts.view(r, k)).to(torch.int64).cumprod(1).sum(1)  # [R]
+        self.last_tokens.index_copy_(0, v.slots, grid.gather(1, accepted.unsqueeze(1)).squeeze(1))
+        return torch.cat([grid.flatten(), accepted]).cpu().numpy()  # the verification's one host copy
+
+    def _record_speculation(self, rows, result: StepResult, verified: tuple[Verify, np.ndarray] | None) -> None:
+        """Every sampling row's ids into the result in plan order (a verifying row's accepted
+        ids and the one after them), and into its request's tokens for later drafts; a verifying
+        row's accepted drafts join its computed count."""
+        if result.logits_shape[1]:
+            return  # host-logits mode: the driver samples, nothing was drafted
+        sampled = np.frombuffer(result.token_ids, dtype=np.int32)
+        if verified is None:
+            for w, t in zip([w for w in rows if w.samples], sampled.tolist()):
+                w.state.generated.append(t)
+            return
+        v, host = verified
+        r, k = len(v.work), v.k
+        grid, accepted = host[:r * (k + 1)].reshape(r, k + 1), host[r * (k + 1):]
+        runs = {w.slot: grid[i, :accepted[i] + 1].tolist() for i, w in enumerate(v.work)}
+        ids: list[int] = []
+        counts: list[int] = []
+        drafted: list[int] = []
+        row_of: dict[int, int] = {}  # index among the plain sampling rows -> among all
+        plain = iter(sampled.tolist())
+        for w in (w for w in rows if w.samples):
+            run = runs.get(w.slot)
+            if run is None:
+                row_of[len(row_of)] = len(counts)
+                run, d = [next(plain)], 0
+            else:
+                d = len(w.draft)
+                w.state.num_computed += len(run) - 1
+                w.state.has_resident = True
+                self.num_draft_tokens += d
+                self.num_accepted_tokens += len(run) - 1
+                self.num_verify_rows += 1
+            w.state.generated += run
+            ids += run
+            counts.append(len(run))
+            drafted.append(d)
+        for lp in result.logprobs:
+            lp.row = row_of[lp.row]
+        result.slots = [w.slot for w in rows if w.samples]
+        result.token_ids = np.asarray(ids, dtype=np.int32).tobytes()
+        result.num_ids = np.asarray(counts, dtype=np.int32).tobytes()
+        result.num_drafted = np.asarray(drafted, dtype=np.int32).tobytes()
 
     def bind_thread(self) -> None:
         """Ready the calling thread to execute steps (the worker's step channel runs them on
@@ -258,11 +349,12 @@ class ModelRunner:
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
 
-    def _run(self, rows, result: StepResult) -> None:
+    def _run(self, rows, result: StepResult) -> tuple[Verify, np.ndarray] | None:
+        """Computes the step; returns the verifying rows and their host results, if any drafted."""
         mc = self.model.config
         upload = None
         if self.device_outputs:  # the sampling rows' ints (and new requests' params) join the step's copy
-            sampling_rows = [w for w in rows if w.samples]
+            sampling_rows = [w for w in rows if w.samples and not w.draft]
             upload = self.slot_sampling.prepare([w.state.sampling for w in sampling_rows],
                                                 [w.start + w.num_tokens for w in sampling_rows],
                                                 [w.slot for w in sampling_rows])
@@ -277,6 +369,7 @@ class ModelRunner:
         batch = self.slot_sampling.finish(upload, inputs.sampling_ints, inputs.sampling_floats) if upload else None
         b = len(inputs.slots)
         result.slots = inputs.slots
+        verified = None
         logits = greedy = None  # greedy: ids straight from the lm_head, when every row takes the argmax
         attn, t = inputs.attn, inputs.num_tokens
         if (self.graphs is not None and attn.num_decode == attn.num_seqs == t == b
@@ -298,11 +391,13 @@ class ModelRunner:
                 for w in inputs.work:
                     w.state.has_resident = True
                 result.logits_shape = (b, 0)
-                return
+                return None
+            if inputs.verify is not None:
+                verified = inputs.verify, self._verify(inputs.verify, hidden)
             if inputs.logits_indices is not None:
                 hidden = hidden.index_select(0, inputs.logits_indices)  # [B, hidden]
             if b == 0:
-                return
+                return verified
             if batch is not None and batch.argmax_only and not self.grammars.any_grammar(inputs.work):
                 greedy = self.model.greedy_ids(hidden, self.vocab_size)  # None under TP
             if greedy is None:
@@ -313,7 +408,7 @@ class ModelRunner:
         if not self.device_outputs:
             if logits is not None:
                 result.logits, result.logits_shape, result.logits_dtype = encode_logits(logits, self.vocab_size)
-            return
+            return None
         out = None
         if greedy is not None:
             self.num_lm_head_argmax_steps += 1
@@ -337,6 +432,7 @@ class ModelRunner:
             result.token_ids = host_ids.tobytes()
             result.logprobs = row_logprobs(out, batch)
             self.grammars.accept(inputs.work, host_ids)  # a no-op loop unless a row has a grammar
+        return verified
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -436,6 +532,9 @@ class ModelRunner:
             "tensor_parallel_size": self.parallel.world_size,
             "layers": [self.model.stage.start, self.model.stage.end],  # this rank's: [first, end)
             "pipeline": self.pipeline.describe(),  # None without pipeline parallelism
+            "speculative": None if self.speculative is None else {
+                **self.speculative.describe(), "draft_tokens": self.num_draft_tokens,
+                "accepted_tokens": self.num_accepted_tokens, "verify_rows": self.num_verify_rows},
             "collective_s": self.parallel.collective_s,
             "collectives": self.parallel.num_collectives,
             "ops": self.ops.describe(),

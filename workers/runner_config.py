@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 from scheduler.checks import check_bool
+from workers.spec_config import SpeculativeConfig
 
 DEVICE_KINDS = ("cpu", "cuda", "npu")
 STEP_CHANNELS = ("socket", "ray")  # how a worker gets its steps (workers/step_channel.py)
@@ -92,3 +93,8 @@ class RunnerConfig:
     graph_sizes: tuple[int, ...] | None = None  # decode graph buckets; None -> powers of two up to max_num_seqs
     # benchmarks: no model; each step answers its sampling rows after this many seconds (workers/fake_runner.py)
     fake_step_s: float | None = None
+    speculative: SpeculativeConfig | None = None  # speculative decoding (workers/spec_config.py); None: off
+
+    def __post_init__(self) -> None:
+        if isinstance(self.speculative, dict):  # as it travels to the worker actor (dataclasses.asdict)
+            self.speculative = SpeculativeConfig.from_dict(self.speculative)

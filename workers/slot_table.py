@@ -1,5 +1,9 @@
 """The worker's view of its requests, one per slot, and the validation of a StepPlan.
 
+A decode row of n > 1 tokens (speculative decoding) is its input token plus room for up to
+n - 1 drafted tokens; the runner drafts and verifies them and advances the computed count by
+the accepted ones.
+
 A StepPlan carries diffs (see scheduler/protocol.py); SlotTable.apply checks a whole plan
 against the current state (raising ValueError before changing anything), then applies it:
 drop finished and preempted slots, admit new requests, append new blocks and advance each
@@ -8,7 +12,7 @@ scheduled request's computed count. It returns one RowWork per scheduled row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler.checks import check_int, is_int
 from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, WorkerSampling
@@ -22,6 +26,7 @@ class SlotState:
     sampling: WorkerSampling
     num_prompt: int  # the leading token_ids that are the prompt; the rest were generated
     has_resident: bool = False  # last_tokens[slot] holds a token this worker sampled for it
+    generated: list[int] = field(default_factory=list)  # ids it sampled since admission (when speculating)
     grammar: object = None  # workers.sampling.grammar_masks.RequestGrammar once a row with a grammar samples
 
 
@@ -35,6 +40,12 @@ class RowWork:
     num_tokens: int
     token: int | None  # None: prefill from state.token_ids; an id; or USE_RESIDENT
     samples: bool  # after this row every known token is computed
+    draft: list[int] | None = None  # a decode row's drafted tokens, verified after its input token
+
+    @property
+    def lookahead(self) -> int:
+        """Drafts a decode row may verify (its num_tokens beyond the input token)."""
+        return self.num_tokens - 1 if self.token is not None else 0
 
     @property
     def is_decode(self) -> bool:
@@ -43,8 +54,9 @@ class RowWork:
 
 class SlotTable:
     def __init__(self, *, max_num_seqs: int, num_blocks: int, block_size: int, max_model_len: int,
-                 vocab_size: int, max_num_batched_tokens: int | None = None) -> None:
+                 vocab_size: int, max_num_batched_tokens: int | None = None, max_lookahead: int = 0) -> None:
         self.max_num_seqs = max_num_seqs
+        self.max_lookahead = max_lookahead  # drafts a decode row may verify (speculative decoding)
         self.max_num_batched_tokens = max_num_batched_tokens  # None: no limit
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -81,7 +93,8 @@ class SlotTable:
         self.states.update(admitted)
         for row, w in zip(plan.rows, work):
             w.state.block_table.extend(row.new_blocks)
-            w.state.num_computed += w.num_tokens
+            # a decode row's drafts count once verified (the runner adds the accepted ones)
+            w.state.num_computed += 1 if w.is_decode else w.num_tokens
         return work
 
     def _check_blocks(self, slot: int, blocks) -> None:
@@ -142,8 +155,10 @@ class SlotTable:
                                  f"{known - start} are uncomputed")
             samples = start + n == known
         else:
-            if n != 1:
-                raise ValueError(f"decode row for slot {slot} has num_tokens {n}, expected 1")
+            if n > 1 + self.max_lookahead:
+                raise ValueError(f"decode row for slot {slot} has num_tokens {n}, expected 1"
+                                 + (f" to {1 + self.max_lookahead} (speculative lookahead)" if self.max_lookahead
+                                    else ""))
             if start < known:
                 raise ValueError(f"decode row for slot {slot}, which has {known - start} uncomputed prompt tokens")
             if row.token == USE_RESIDENT:

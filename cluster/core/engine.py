@@ -394,6 +394,10 @@ class LocalEngine:
                     total[k] = total.get(k, 0) + v
         queried = total.get("prefix_queried_tokens", 0)
         total["prefix_hit_rate"] = total.get("prefix_hit_tokens", 0) / queried if queried else 0.0
+        drafted, accepted = total.get("spec_draft_tokens", 0), total.get("spec_accepted_tokens", 0)
+        verify_rows = total.get("spec_verify_rows", 0)
+        total["spec_acceptance_rate"] = accepted / drafted if drafted else 0.0
+        total["spec_mean_accepted_length"] = 1 + accepted / verify_rows if verify_rows else 0.0
         decode_steps = total.get("decode_steps", 0)
         pulled = total.get("decode_bytes_pulled", 0)
         total["bytes_pulled_per_decode_step"] = pulled / decode_steps if decode_steps else 0.0
@@ -459,4 +463,5 @@ def _metrics(req: Request, finish_time: float | None) -> RequestMetrics:
         arrival_time=req.arrival_time, first_token_time=req.first_token_time, finish_time=finish_time,
         ttft=req.ttft, tpot=req.tpot, latency=latency,
         num_cached_tokens=req.num_cached_tokens, num_preemptions=req.num_preemptions,
+        num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens,
     )

@@ -123,11 +123,13 @@ def test_malformed_plans_raise_protocol_error(data):
 @pytest.mark.parametrize("data", [
     b"",
     b"\x93\x01",  # truncated array
-    msgpack.packb([PROTOCOL_VERSION + 1, 0, [], b"", [], b"", [0, 0], "float32", 0.0]),
-    msgpack.packb([PROTOCOL_VERSION, 0, [0], "not bytes", [], b"", [1, 0], "float32", 0.0]),
-    msgpack.packb([PROTOCOL_VERSION, 0, [0], b"\x01", [], b"", [1, 0], "float32", 0.0]),
-    msgpack.packb([PROTOCOL_VERSION, 0, [], b"", [[0, 1.0]], b"", [0, 0], "float32", 0.0]),
-    msgpack.packb([PROTOCOL_VERSION, 0, [], b"", [], b"", [0], "float32", 0.0]),
+    msgpack.packb([PROTOCOL_VERSION + 1, 0, [], b"", [], b"", [0, 0], "float32", 0.0, b"", b""]),
+    msgpack.packb([PROTOCOL_VERSION, 0, [0], "not bytes", [], b"", [1, 0], "float32", 0.0, b"", b""]),
+    msgpack.packb([PROTOCOL_VERSION, 0, [0], b"\x01", [], b"", [1, 0], "float32", 0.0, b"", b""]),
+    msgpack.packb([PROTOCOL_VERSION, 0, [], b"", [[0, 1.0]], b"", [0, 0], "float32", 0.0, b"", b""]),
+    msgpack.packb([PROTOCOL_VERSION, 0, [], b"", [], b"", [0], "float32", 0.0, b"", b""]),
+    msgpack.packb([PROTOCOL_VERSION, 0, [], b"", [], b"", [0, 0], "float32", 0.0, [1], b""]),
+    msgpack.packb([PROTOCOL_VERSION, 0, [], b"", [], b"", [0, 0], "float32", 0.0]),  # version 2's arity
 ])
 def test_malformed_results_raise_protocol_error(data):
     with pytest.raises(ProtocolError):

@@ -1,0 +1,135 @@
+"""Speculative decoding's own cost and its n-gram speed-up, in-process (ModelRunner + Scheduler).
+
+    PYTHONPATH=. python benchmarks/bench_spec.py [--model random:qwen3-0.6b?layers=8] [--batches 1]
+        [--prompt-len 32] [--new-tokens 128] [--k 4] [--repeats 2] [--tiny-batches 1,16]
+
+Part 1, the machinery: at each batch size, greedy decoding without speculation against a
+bench-only proposer that drafts the request's known greedy continuation (taken from the run
+without speculation), every draft right (acceptance 100%) or the third of every four wrong
+(acceptance 50%), k drafts a row: what verifying k + 1 positions in one pass and accepting on the
+worker cost, apart from draft quality. Part 2: the bundled tiny model with method ngram
+(prompt lookup) on prompts of repeated text, at the `--tiny-batches` sizes. Prints output
+tokens/s, the ratio to no speculation, the acceptance and whether greedy output is the same.
+The model computes in fp32. A script, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from scheduler.request import Request, SamplingParams
+from scheduler.scheduler import Scheduler
+from scheduler.scheduler_config import SchedulerConfig
+from workers.loader import bundled_model_path, load_tokenizer
+from workers.runner import ModelRunner
+from workers.runner_config import RunnerConfig
+from workers.spec_config import SpeculativeConfig
+
+
+class KnownContinuation(ModelRunner):
+    """Drafts each row's known greedy continuation; with `wrong_every` n, the draft at every n-th
+    position is made wrong (bench only: the machinery's cost apart from draft quality)."""
+
+    continuations: dict[tuple[int, ...], list[int]] = {}
+    wrong_every = 0
+
+    def _draft(self, rows) -> None:
+        for w in rows:
+            if not w.lookahead:
+                continue
+            st = w.state
+            prompt = tuple(st.token_ids[:st.num_prompt])
+            done = w.start + 1 - st.num_prompt  # outputs known so far
+            draft = list(self.continuations[prompt][done:done + w.lookahead])
+            if self.wrong_every:
+                for j in range(len(draft)):
+                    if (j + 1) % self.wrong_every == 0:
+                        draft[j] = (draft[j] + 1) % self.vocab_size
+            w.draft = draft or None
+
+
+def run(model: str, prompts: list[list[int]], new_tokens: int, spec: SpeculativeConfig | None,
+        runner_cls=ModelRunner, threads: int = 2) -> tuple[float, list[list[int]], dict]:
+    k = 0 if spec is None else spec.num_speculative_tokens
+    runner = runner_cls(RunnerConfig(model=model, dtype="float32", block_size=16, num_kv_blocks=2048,
+                                     max_num_seqs=len(prompts), max_num_batched_tokens=4096, num_threads=threads,
+                                     speculative=spec))
+    try:
+        runner.warmup()
+        sched = Scheduler(SchedulerConfig(num_blocks=runner.num_kv_blocks, block_size=16, max_num_seqs=len(prompts),
+                                          max_num_batched_tokens=4096, max_model_len=runner.max_model_len,
+                                          num_lookahead_tokens=k))
+        params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+        reqs = [Request(f"b{i}", list(p), params) for i, p in enumerate(prompts)]
+        for r in reqs:
+            sched.add_request(r)
+        sched.update(runner.execute(sched.schedule()))  # the prefills, untimed: decode is measured
+        t0 = time.perf_counter()
+        while sched.has_unfinished():
+            sched.update(runner.execute(sched.schedule()))
+        wall = time.perf_counter() - t0
+        stats = sched.stats()
+    finally:
+        runner.close()
+    decoded = sum(len(r.output_token_ids) - 1 for r in reqs)
+    return decoded / wall, [r.output_token_ids for r in reqs], stats
+
+
+def line(name: str, tok_s: float, base: float, same: bool, stats: dict) -> str:
+    acc = (f"acceptance {stats['spec_acceptance_rate']:.2f}, {stats['spec_mean_accepted_length']:.2f} tokens/row"
+           if stats["spec_draft_tokens"] else "")
+    return f"  {name:<34} {tok_s:8.1f} tok/s  x{tok_s / base:.2f}  greedy same: {same}  {acc}"
+
+
+def median_runs(repeats: int, *args, **kwargs) -> tuple[float, list, dict]:
+    """run(*args, **kwargs) `repeats` times: the median tok/s, the first run's outputs and stats."""
+    runs = [run(*args, **kwargs) for _ in range(repeats)]
+    return statistics.median(r[0] for r in runs), runs[0][1], runs[0][2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="random:qwen3-0.6b?layers=8")
+    ap.add_argument("--batches", default="1")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--tiny-batches", default="1,16")
+    a = ap.parse_args()
+    rng = random.Random(0)
+    spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": a.k})
+    print(f"part 1: {a.model}, prompts of {a.prompt_len} random ids, {a.new_tokens} greedy tokens, k={a.k}, "
+          f"decode only, median of {a.repeats}")
+    for batch in (int(b) for b in a.batches.split(",")):
+        prompts = [[rng.randrange(100, 50000) for _ in range(a.prompt_len)] for _ in range(batch)]
+        base, want, stats = median_runs(a.repeats, a.model, prompts, a.new_tokens, None)
+        print(f" batch {batch}")
+        print(line("no speculation", base, base, True, stats))
+        KnownContinuation.continuations = {tuple(p): out for p, out in zip(prompts, want)}
+        for wrong, name in ((0, "known continuation, all right"), (3, "known continuation, 3rd of 4 wrong")):
+            KnownContinuation.wrong_every = wrong
+            tok_s, got, stats = median_runs(a.repeats, a.model, prompts, a.new_tokens, spec, KnownContinuation)
+            print(line(name, tok_s, base, got == want, stats))
+    tok = load_tokenizer(bundled_model_path())
+    texts = ["The cat sat on the mat. The dog sat on the log. The cat sat on the",
+             "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+             "one two three four five, one two three four five, one two three",
+             "Hello, how are you today? I am fine. Hello, how are"]
+    print(f"part 2: the bundled tiny model, method ngram (prompt_lookup 1..3), k={a.k}, {a.new_tokens} tokens")
+    ngram = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": a.k,
+                                         "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    for batch in (int(b) for b in a.tiny_batches.split(",")):
+        prompts = [tok.encode(texts[i % len(texts)]) for i in range(batch)]
+        base, want, stats = median_runs(a.repeats, None, prompts, a.new_tokens, None)
+        tok_s, got, stats = median_runs(a.repeats, None, prompts, a.new_tokens, ngram)
+        print(f" batch {batch}")
+        print(line("no speculation", base, base, True, {"spec_draft_tokens": 0}))
+        print(line("ngram", tok_s, base, got == want, stats))
+
+
+if __name__ == "__main__":
+    main()

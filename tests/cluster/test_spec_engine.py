@@ -1,0 +1,48 @@
+"""Speculative decoding through the engine (Ray workers) and the CLI: the same greedy text as
+without it, acceptance in stats(), /metrics and each request's metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+import cluster
+from cluster import SamplingParams
+
+pytestmark = pytest.mark.ray
+
+PROMPTS = ["The cat sat on the mat. The cat sat on the mat. The cat sat on", "1 2 3 4 5 1 2 3 4 5 1 2 3",
+           "Hello world"]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+@pytest.mark.timeout(600)
+def test_speculating_engine_gives_the_same_greedy_text(ray_session):
+    greedy = SamplingParams(max_tokens=40, temperature=0)
+    common = dict(num_kv_blocks=128, block_size=4, threads_per_worker=1)
+    with cluster.launch(**common) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
+    with cluster.launch(speculative_config=NGRAM, **common) as llm:
+        outs = llm.generate(PROMPTS, greedy)
+        stats = llm.stats()
+        metrics = llm.metrics_text().decode()
+        (worker,) = llm.worker_stats()
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert 0 < stats["spec_accepted_tokens"] <= stats["spec_draft_tokens"]
+    assert stats["spec_acceptance_rate"] == stats["spec_accepted_tokens"] / stats["spec_draft_tokens"]
+    assert worker["speculative"]["accepted_tokens"] == stats["spec_accepted_tokens"]
+    assert sum(o.metrics.num_accepted_tokens for o in outs) == stats["spec_accepted_tokens"]
+    assert f"raylm_spec_decode_num_accepted_tokens_total {float(stats['spec_accepted_tokens'])}" in metrics
+
+
+def test_the_cli_passes_the_speculative_config(capsys):
+    from cluster.cli import _engine_kwargs, build_parser
+    from cluster.config import EngineConfig
+
+    for command in ("serve", "generate"):
+        args = [command] + (["hi"] if command == "generate" else []) + [
+            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+        spec = EngineConfig(**_engine_kwargs(build_parser().parse_args(args))).speculative_config
+        assert (spec.method, spec.num_speculative_tokens) == ("ngram", 3)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--speculative-config", "[1, 2]"])
+    assert "must be a JSON object" in capsys.readouterr().err
