@@ -205,10 +205,9 @@ class EngineConfig:
         check_int("num_kv_blocks", self.num_kv_blocks, 2, optional=True)
         self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         if self.speculative_config is not None:
-            for name, value in (("tensor_parallel_size", self.tensor_parallel_size),
-                                ("pipeline_parallel_size", self.pipeline_parallel_size)):
-                if value != 1:
-                    raise ValueError(f"speculative_config runs with {name} 1 for now, got {value}")
+            if self.pipeline_parallel_size != 1:
+                raise ValueError(f"speculative_config runs with pipeline_parallel_size 1 for now, "
+                                 f"got {self.pipeline_parallel_size}")
             if self.fake_step_s is not None:
                 raise ValueError("speculative_config needs a model: fake workers (fake_step_s) draft nothing")
             if self.device_outputs is False:

@@ -127,9 +127,8 @@ class ModelRunner:
         self.speculative = config.speculative
         if self.speculative is not None and not device_outputs_enabled(config.device_outputs):
             raise ValueError("speculative decoding verifies drafts on the worker: device outputs must be on")
-        if self.speculative is not None and (parallel.enabled or self.pipeline.enabled):
-            raise ValueError("speculative decoding runs on one rank per replica for now "
-                             "(tensor_parallel_size and pipeline_parallel_size 1)")
+        if self.speculative is not None and self.pipeline.enabled:
+            raise ValueError("speculative decoding does not run under pipeline parallelism yet")
         self.slots = SlotTable(max_num_seqs=config.max_num_seqs, num_blocks=self.num_kv_blocks,
                                block_size=config.block_size, max_model_len=self.max_model_len,
                                vocab_size=mc.vocab_size, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -253,9 +252,9 @@ class ModelRunner:
                 self._draft(rows)
             self._set_step_threads(plan.num_tokens)
             with torch.inference_mode():
-                verified = self._run(rows, result)
+                step = self._run(rows, result)
             if self.speculative is not None:
-                self._record_speculation(rows, result, verified)
+                self._record_speculation(rows, result, step)
             self.num_steps += 1
             self.num_tokens += plan.num_tokens
         result.step_time = time.perf_counter() - t0
@@ -281,21 +280,24 @@ class ModelRunner:
         r, k = len(v.work), v.k
         h = hidden.index_select(0, v.indices)  # [V, hidden]
         ids = self.model.greedy_ids(h, self.vocab_size)  # [V]
-        if ids is None:
-            ids = self.model.compute_logits(h, torch.empty(len(h), self.vocab_size, device=h.device)).argmax(-1)
+        if ids is None:  # tensor parallel: the logits gathered to rank 0, which sends every rank the argmax
+            logits = self.model.compute_logits(h, torch.empty(len(h), self.vocab_size, device=h.device))
+            ids = torch.empty(len(h), dtype=torch.int64, device=h.device) if logits is None else logits.argmax(-1)
+            self.parallel.broadcast(ids, src=0)
         grid = torch.full((r * (k + 1),), -1, dtype=torch.int64, device=h.device)
         grid = grid.index_copy_(0, v.grid_index, ids.to(torch.int64)).view(r, k + 1)
         accepted = (grid[:, :k] == v.drafts.view(r, k)).to(torch.int64).cumprod(1).sum(1)  # [R]
         self.last_tokens.index_copy_(0, v.slots, grid.gather(1, accepted.unsqueeze(1)).squeeze(1))
         return torch.cat([grid.flatten(), accepted]).cpu().numpy()  # the verification's one host copy
 
-    def _record_speculation(self, rows, result: StepResult, verified: tuple[Verify, np.ndarray] | None) -> None:
-        """Every sampling row's ids into the result in plan order (a verifying row's accepted
-        ids and the one after them), and into its request's tokens for later drafts; a verifying
-        row's accepted drafts join its computed count."""
-        if result.logits_shape[1]:
-            return  # host-logits mode: the driver samples, nothing was drafted
-        sampled = np.frombuffer(result.token_ids, dtype=np.int32)
+    def _record_speculation(self, rows, result: StepResult,
+                            step: tuple[tuple[Verify, np.ndarray] | None, np.ndarray | None]) -> None:
+        """Every sampling row's ids into its request's tokens for later drafts (on every rank, so
+        all draft alike) and, on the sampling rank, into the result in plan order (a verifying row's
+        accepted ids and the one after them); a verifying row's accepted drafts join its computed count."""
+        verified, sampled = step
+        if sampled is None:
+            sampled = np.zeros(0, dtype=np.int32)
         if verified is None:
             for w, t in zip([w for w in rows if w.samples], sampled.tolist()):
                 w.state.generated.append(t)
@@ -325,6 +327,8 @@ class ModelRunner:
             ids += run
             counts.append(len(run))
             drafted.append(d)
+        if not self.parallel.samples:
+            return  # only the sampling rank's result is read
         for lp in result.logprobs:
             lp.row = row_of[lp.row]
         result.slots = [w.slot for w in rows if w.samples]
@@ -349,8 +353,9 @@ class ModelRunner:
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
 
-    def _run(self, rows, result: StepResult) -> tuple[Verify, np.ndarray] | None:
-        """Computes the step; returns the verifying rows and their host results, if any drafted."""
+    def _run(self, rows, result: StepResult) -> tuple[tuple[Verify, np.ndarray] | None, np.ndarray | None]:
+        """Computes the step; returns the verifying rows and their host results (None when nothing
+        was drafted), and, when speculating, the other sampling rows' ids on the host (every rank)."""
         mc = self.model.config
         upload = None
         if self.device_outputs:  # the sampling rows' ints (and new requests' params) join the step's copy
@@ -391,13 +396,13 @@ class ModelRunner:
                 for w in inputs.work:
                     w.state.has_resident = True
                 result.logits_shape = (b, 0)
-                return None
+                return None, None
             if inputs.verify is not None:
                 verified = inputs.verify, self._verify(inputs.verify, hidden)
             if inputs.logits_indices is not None:
                 hidden = hidden.index_select(0, inputs.logits_indices)  # [B, hidden]
             if b == 0:
-                return verified
+                return verified, None
             if batch is not None and batch.argmax_only and not self.grammars.any_grammar(inputs.work):
                 greedy = self.model.greedy_ids(hidden, self.vocab_size)  # None under TP
             if greedy is None:
@@ -408,7 +413,7 @@ class ModelRunner:
         if not self.device_outputs:
             if logits is not None:
                 result.logits, result.logits_shape, result.logits_dtype = encode_logits(logits, self.vocab_size)
-            return None
+            return None, None
         out = None
         if greedy is not None:
             self.num_lm_head_argmax_steps += 1
@@ -427,12 +432,14 @@ class ModelRunner:
         for w in inputs.work:
             w.state.has_resident = True
         result.logits_shape = (b, 0)
-        if out is not None:
+        host_ids = None
+        if out is not None or self.speculative is not None:  # other ranks keep speculation's token lists
             host_ids = ids.cpu().numpy()  # the step's one host copy
+        if out is not None:
             result.token_ids = host_ids.tobytes()
             result.logprobs = row_logprobs(out, batch)
             self.grammars.accept(inputs.work, host_ids)  # a no-op loop unless a row has a grammar
-        return verified
+        return verified, host_ids
 
     # -- lifecycle ----------------------------------------------------------------------
 

@@ -34,6 +34,22 @@ def test_speculating_engine_gives_the_same_greedy_text(ray_session):
     assert f"raylm_spec_decode_num_accepted_tokens_total {float(stats['spec_accepted_tokens'])}" in metrics
 
 
+@pytest.mark.timeout(600)
+def test_a_speculating_worker_killed_mid_run_recomputes_to_the_same_greedy_text(ray_session, faulty_workers):
+    from tests.cluster.faults import arm_fault
+
+    greedy = SamplingParams(max_tokens=40, temperature=0)
+    with cluster.launch(num_kv_blocks=128, block_size=4, threads_per_worker=1) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
+    with cluster.launch(speculative_config=NGRAM, num_kv_blocks=128, block_size=4, threads_per_worker=1) as llm:
+        arm_fault(llm, "exit", after_steps=6)
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
+        stats = llm.stats()
+    assert got == want
+    assert stats["worker_restarts"] == 1
+    assert stats["spec_accepted_tokens"] > 0
+
+
 def test_the_cli_passes_the_speculative_config(capsys):
     from cluster.cli import _engine_kwargs, build_parser
     from cluster.config import EngineConfig

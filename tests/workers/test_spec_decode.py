@@ -12,6 +12,7 @@ from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.scheduler_config import SchedulerConfig
 from tests.factories import drive
+from tests.workers.tp_ranks import job, run_ranks
 from workers.ngram import propose_ngram
 from workers.runner import ModelRunner
 from workers.runner_config import RunnerConfig
@@ -49,9 +50,9 @@ def test_bad_configs_are_refused_by_name(value, message):
         EngineConfig(speculative_config=value)
 
 
-def test_speculation_with_tensor_parallelism_is_refused_for_now():
-    with pytest.raises(ValueError, match="tensor_parallel_size 1 for now, got 2"):
-        EngineConfig(speculative_config=NGRAM, tensor_parallel_size=2)
+def test_speculation_with_pipeline_parallelism_is_refused_for_now():
+    with pytest.raises(ValueError, match="pipeline_parallel_size 1 for now, got 2"):
+        EngineConfig(speculative_config=NGRAM, pipeline_parallel_size=2)
 
 
 def naive_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -126,3 +127,16 @@ def test_speculation_needs_device_outputs():
     with pytest.raises(ValueError, match="device outputs must be on"):
         ModelRunner(RunnerConfig(num_kv_blocks=16, device_outputs=False,
                                  speculative=SpeculativeConfig.from_dict(NGRAM)))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_tensor_parallel_ranks_draft_alike_and_equal_one_rank_without_speculation():
+    runner_kw = dict(block_size=4, num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=64)
+    spec = SpeculativeConfig.from_dict(NGRAM)
+    ((plain, _),) = run_ranks(1, [job(runner_kw, PROMPTS, 24, scheduler={})])
+    ((got, stats),) = run_ranks(2, [job(dict(runner_kw, speculative=spec), PROMPTS, 24,
+                                        scheduler={"num_lookahead_tokens": 4})])
+    assert got == plain
+    assert stats["tensor_parallel_size"] == 2
+    assert 0 < stats["speculative"]["accepted_tokens"] < stats["speculative"]["draft_tokens"]

@@ -14,9 +14,10 @@ from workers.parallel import free_port
 TIMEOUT_S = 240
 
 
-def job(runner_kw: dict, prompts, max_new: int, samplings=None, chunk=None) -> tuple:
-    """One generation: a runner of `runner_kw`, `max_new` tokens for each prompt."""
-    return runner_kw, prompts, samplings or [None] * len(prompts), max_new, chunk
+def job(runner_kw: dict, prompts, max_new: int, samplings=None, chunk=None, scheduler=None) -> tuple:
+    """One generation: a runner of `runner_kw`, `max_new` tokens for each prompt. With `scheduler`
+    (SchedulerConfig fields beyond the runner's) the real Scheduler plans the steps, greedily."""
+    return runner_kw, prompts, samplings or [None] * len(prompts), max_new, chunk, scheduler
 
 
 def run_ranks(world: int, jobs: list[tuple], expert_parallel: bool = False, pipeline: int = 1,
@@ -82,7 +83,7 @@ def _rank_main(rank, world, port, jobs, plans, out, layout):
         raise
 
 
-def _run_job(rank, parallel, plans, runner_kw, prompts, samplings, max_new, chunk):
+def _run_job(rank, parallel, plans, runner_kw, prompts, samplings, max_new, chunk, scheduler):
     from scheduler.protocol import StepPlan
     from tests.plans import PlanDriver
     from workers.runner import ModelRunner
@@ -105,6 +106,11 @@ def _run_job(rank, parallel, plans, runner_kw, prompts, samplings, max_new, chun
         return execute(StepPlan.from_bytes(data))
 
     runner.execute = send_and_execute
+    if scheduler is not None:
+        outputs = _schedule(runner, prompts, max_new, scheduler)
+        for q in others:
+            q.put(None)
+        return outputs, runner.stats()
     driver = PlanDriver(runner, chunk_size=chunk)
     for prompt, sampling in zip(prompts, samplings):
         driver.add(prompt, sampling)
@@ -112,3 +118,21 @@ def _run_job(rank, parallel, plans, runner_kw, prompts, samplings, max_new, chun
     for q in others:
         q.put(None)
     return outputs, runner.stats()
+
+
+def _schedule(runner, prompts, max_new: int, extra: dict) -> list[list[int]]:
+    from scheduler.request import Request, SamplingParams
+    from scheduler.scheduler import Scheduler
+    from scheduler.scheduler_config import SchedulerConfig
+    from tests.factories import drive
+
+    cfg = runner.config
+    sched = Scheduler(SchedulerConfig(num_blocks=runner.num_kv_blocks, block_size=cfg.block_size,
+                                      max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                      max_model_len=runner.max_model_len, **extra))
+    reqs = [Request(f"r{i}", list(p), SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    for r in reqs:
+        sched.add_request(r)
+    drive(sched, runner)
+    return [r.output_token_ids for r in reqs]
