@@ -78,9 +78,10 @@ class EngineConfig:
     VLLM_PP_LAYER_PARTITION, e.g. "5,3": the last stage also holds the lm_head); stages go on
     different nodes when no node holds the whole replica, pass activations worker to worker, and
     keep as many steps in flight as there are stages, over disjoint requests.
-    `speculative_config` (vLLM's keys: method "ngram", num_speculative_tokens, prompt_lookup_min /
-    _max) lets a greedy request's decode row verify up to num_speculative_tokens drafted tokens in
-    one step; the output is the same tokens as without it.
+    `speculative_config` (vLLM's keys: method "ngram" or "draft_model", model, num_speculative_tokens,
+    prompt_lookup_min / _max) lets a request's decode row verify up to num_speculative_tokens
+    drafted tokens in one step (not a request's with penalties, a grammar or logprobs); greedy and
+    seeded requests produce the same tokens as without it, others the same distribution.
     `fake_step_s` (benchmarks only: `raylm bench --driver-capacity`) starts workers that load no
     model and answer each step's sampling rows with ids of their own after that many seconds, a
     device's step time stood in for (0: at once; workers/fake_runner.py), through the real step

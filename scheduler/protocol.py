@@ -194,11 +194,12 @@ class WorkerSampling:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def speculable(self, position: int) -> bool:
-        """Whether a row sampling at `position` and after may take drafted tokens: plain greedy
-        (the argmax of the raw logits), with nothing that masks, penalises or reports."""
-        return (self.temperature == 0 and not self.has_penalties and self.grammar is None
-                and self.logprobs is None and self.ban_until <= position)
+    @property
+    def speculable(self) -> bool:
+        """Whether its decode rows may take drafted tokens: each verified position is sampled as
+        its own row (the distribution depends on the position alone), which holds unless
+        penalties count earlier tokens or a grammar's state advances, and no logprobs are asked."""
+        return not self.has_penalties and self.grammar is None and self.logprobs is None
 
     @property
     def counts_tokens(self) -> bool:

@@ -22,7 +22,8 @@ With max_concurrent_batches B > 1 (pipeline stages) steps in flight hold disjoin
 a request whose sampled token is in flight gets no decode row, and a step takes at most
 1/B of the running decodes, so B steps of about equal size keep B stages busy.
 
-With speculative decoding (num_lookahead_tokens k > 0) a greedy request's decode row may
+With speculative decoding (num_lookahead_tokens k > 0) the decode row of a request without
+penalties, grammar or logprobs (WorkerSampling.speculable) may
 verify up to k tokens the worker drafts: the row is budgeted and given blocks for 1 + k
 positions (fewer where max_tokens, max_model_len, the budget or the free blocks say so; never
 by preempting), and its result brings 1 to k + 1 ids. Only then are the next positions known,
@@ -176,7 +177,7 @@ class Scheduler:
                 prefilling.append(req)
                 continue
             outputs, pending = req.output_token_ids, req.num_inflight_samples
-            speculates = lookahead and req.worker_sampling.speculable(c + 1)
+            speculates = lookahead and req.worker_sampling.speculable
             if pending and (batches > 1 or speculates):
                 continue  # in a step still in flight: the next step's rows are other requests
             n_out = len(outputs)

@@ -144,7 +144,7 @@ class FakeRunner:
                 assert c == len(st.tokens) - 1, "decode row is not at the last sampled token"
                 assert row.token == USE_RESIDENT or row.token == st.tokens[c], "decode input is not the last token"
                 if n > 1:
-                    assert st.sampling.speculable(c + 1), "lookahead for a row that cannot take drafts"
+                    assert st.sampling.speculable, "lookahead for a row that cannot take drafts"
                     run, drafted = self._verify(row.slot, st, c, n)
                     ids += run
                     counts.append(len(run))

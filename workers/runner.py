@@ -12,10 +12,11 @@ to rank 0, which samples and broadcasts the ids, so every rank keeps the same la
 Only rank 0's result means anything.
 
 With speculative decoding (config.speculative) a decode row may bring room for k drafts: the
-runner drafts them from the request's own tokens (prompt lookup), computes the input token and
-the drafts in one pass, takes the argmax at each position and accepts the drafts up to the first
-that differs, all on the device; the row returns its accepted ids and the one after them, and
-the rejected positions' K/V is left to be overwritten.
+runner drafts them (prompt lookup over the request's own tokens, or a draft model), computes the
+input token and the drafts in one pass, samples each position as a row of its own and accepts the
+drafts up to the first that differs from its position's sample, all on the device; the row
+returns its accepted ids and the one after them, and the rejected positions' K/V is left to be
+overwritten.
 
 Under pipeline parallelism (workers/pipeline.py) every stage runs the same plan over its own
 layers: the first embeds, the others take the previous stage's output, and the last samples
@@ -43,6 +44,7 @@ from workers.device import (
     synchronize,
     torch_device,
 )
+from workers.draft_model import DraftModel
 from workers.graphs import DecodeGraphs, check_graph_sizes, default_graph_sizes, graph_device_for
 from workers.kv_cache import KVCache
 from workers.loader import (
@@ -134,6 +136,11 @@ class ModelRunner:
                                vocab_size=mc.vocab_size, max_num_batched_tokens=config.max_num_batched_tokens,
                                max_lookahead=0 if self.speculative is None else self.speculative.num_speculative_tokens)
         self.num_draft_tokens = self.num_accepted_tokens = self.num_verify_rows = 0
+        self.drafter = None
+        if self.speculative is not None and self.speculative.method == "draft_model":
+            self.drafter = DraftModel(self.speculative.model, ops=self.ops, dtype=self.model.dtype, device=self.device,
+                                      num_blocks=self.num_kv_blocks, block_size=config.block_size,
+                                      vocab_size=self.vocab_size, target_vocab=mc.vocab_size)
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)  # [slots]
         self.outputs = ResidentOutputs(self.device)
         self.sampler = Sampler(self.device, seed=config.seed, buffers=self.outputs)  # its scratch is resident too
@@ -261,28 +268,41 @@ class ModelRunner:
         return result
 
     def _draft(self, rows) -> None:
-        """Drafts for the decode rows that have room for them and sample plainly greedily: prompt
-        lookup over the request's tokens (what the worker was sent and what it sampled since)."""
+        """Drafts for the decode rows that have room for them and sample plainly greedily, from the
+        request's tokens (what the worker was sent and what it sampled since): prompt lookup, or
+        the draft model."""
         spec = self.speculative
-        for w in rows:
-            if w.lookahead and w.state.sampling.speculable(w.start + 1):
-                state = w.state
-                if len(state.token_ids) + len(state.generated) != w.start + 1:
-                    continue  # its input token is not one this worker knows in place: no drafts
-                seq = np.array(state.token_ids + state.generated, dtype=np.int64)
-                w.draft = propose_ngram(seq, min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max,
-                                        k=w.lookahead) or None
+        eligible = [w for w in rows if w.lookahead and w.state.sampling.speculable
+                    # an input token this worker knows in place (else: no drafts)
+                    and len(w.state.token_ids) + len(w.state.generated) == w.start + 1]
+        if not eligible:
+            return
+        if self.drafter is not None:
+            self.drafter.propose(eligible, [w.state.token_ids + w.state.generated for w in eligible])
+            return
+        for w in eligible:
+            seq = np.array(w.state.token_ids + w.state.generated, dtype=np.int64)
+            w.draft = propose_ngram(seq, min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max,
+                                    k=w.lookahead) or None
 
-    def _verify(self, v: Verify, hidden: torch.Tensor) -> np.ndarray:
-        """Each verifying row's argmax at its positions, on the device; its accepted drafts are
-        the leading ones equal to them. Keeps each row's last accepted id resident. Returns, on
-        the host, the [R, k + 1] argmax grid followed by the R accepted-draft counts."""
+    def _verify(self, v: Verify, batch, hidden: torch.Tensor) -> np.ndarray:
+        """Each verifying row's token at each of its positions, sampled on the device as a row of
+        its own (the argmax for greedy rows); its accepted drafts are the leading ones equal to
+        them. For a draft that is one token (not a distribution) this is speculative sampling:
+        the draft is kept with the probability the target gives it, and where it is not, the token
+        in its place is drawn from the target's distribution without it. A seeded row's tokens are
+        those it samples without speculation (its noise depends on the position alone). Keeps each
+        row's last accepted id resident. Returns, on the host, the [R, k + 1] grid of sampled
+        tokens followed by the R accepted-draft counts."""
         r, k = len(v.work), v.k
         h = hidden.index_select(0, v.indices)  # [V, hidden]
-        ids = self.model.greedy_ids(h, self.vocab_size)  # [V]
-        if ids is None:  # tensor parallel: the logits gathered to rank 0, which sends every rank the argmax
-            logits = self.model.compute_logits(h, torch.empty(len(h), self.vocab_size, device=h.device))
-            ids = torch.empty(len(h), dtype=torch.int64, device=h.device) if logits is None else logits.argmax(-1)
+        ids = self.model.greedy_ids(h, self.vocab_size) if batch.argmax_only else None  # [V]
+        if ids is None:  # sampled rows, or tensor parallel: the logits (gathered to rank 0, which samples)
+            logits = self.outputs.get_rows("verify_logits", len(h), (self.vocab_size,), torch.float32)
+            logits = self.model.compute_logits(h, out=logits)
+            ids = torch.empty(len(h), dtype=torch.int64, device=h.device)
+            if logits is not None:
+                ids.copy_(self.sampler(logits, batch).token_ids)
             self.parallel.broadcast(ids, src=0)
         grid = torch.full((r * (k + 1),), -1, dtype=torch.int64, device=h.device)
         grid = grid.index_copy_(0, v.grid_index, ids.to(torch.int64)).view(r, k + 1)
@@ -319,6 +339,8 @@ class ModelRunner:
             else:
                 d = len(w.draft)
                 w.state.num_computed += len(run) - 1
+                if self.drafter is not None:
+                    self.drafter.accepted(w, len(run) - 1)
                 w.state.has_resident = True
                 self.num_draft_tokens += d
                 self.num_accepted_tokens += len(run) - 1
@@ -357,21 +379,34 @@ class ModelRunner:
         """Computes the step; returns the verifying rows and their host results (None when nothing
         was drafted), and, when speculating, the other sampling rows' ids on the host (every rank)."""
         mc = self.model.config
-        upload = None
+        upload = vupload = None
         if self.device_outputs:  # the sampling rows' ints (and new requests' params) join the step's copy
             sampling_rows = [w for w in rows if w.samples and not w.draft]
             upload = self.slot_sampling.prepare([w.state.sampling for w in sampling_rows],
-                                                [w.start + w.num_tokens for w in sampling_rows],
+                                                [w.sample_position for w in sampling_rows],
                                                 [w.slot for w in sampling_rows])
+            verifying = [w for w in rows if w.draft]
+            if verifying:  # each verified position samples as a row of its own, at its own position
+                vupload = self.slot_sampling.prepare(
+                    [w.state.sampling for w in verifying for _ in range(len(w.draft) + 1)],
+                    [p for w in verifying for p in range(w.start + 1, w.start + len(w.draft) + 2)],
+                    [w.slot for w in verifying for _ in range(len(w.draft) + 1)])
         pipeline = self.pipeline
         if pipeline.enabled and pipeline.is_first and self.device_outputs:
             # the last stage's ids of earlier steps: all of them before a row reads its resident token
             resident = any(w.is_decode and w.token == USE_RESIDENT for w in rows)
             pipeline.take_ids(self.last_tokens, keep=0 if resident else pipeline.num_stages - 1)
+        uploads = [u for u in (upload, vupload) if u is not None]
         inputs = build_step_inputs(rows, block_size=self.config.block_size, last_tokens=self.last_tokens,
-                                   staging=self.staging, sampling_ints=list(upload.ints.values()) if upload else (),
-                                   sampling_floats=list(upload.floats.values()) if upload else ())
-        batch = self.slot_sampling.finish(upload, inputs.sampling_ints, inputs.sampling_floats) if upload else None
+                                   staging=self.staging,
+                                   sampling_ints=[v for u in uploads for v in u.ints.values()],
+                                   sampling_floats=[v for u in uploads for v in u.floats.values()])
+        batch = vbatch = None
+        if upload is not None:
+            ni, nf = len(upload.ints), len(upload.floats)
+            batch = self.slot_sampling.finish(upload, inputs.sampling_ints[:ni], inputs.sampling_floats[:nf])
+            if vupload is not None:
+                vbatch = self.slot_sampling.finish(vupload, inputs.sampling_ints[ni:], inputs.sampling_floats[nf:])
         b = len(inputs.slots)
         result.slots = inputs.slots
         verified = None
@@ -398,7 +433,7 @@ class ModelRunner:
                 result.logits_shape = (b, 0)
                 return None, None
             if inputs.verify is not None:
-                verified = inputs.verify, self._verify(inputs.verify, hidden)
+                verified = inputs.verify, self._verify(inputs.verify, vbatch, hidden)
             if inputs.logits_indices is not None:
                 hidden = hidden.index_select(0, inputs.logits_indices)  # [B, hidden]
             if b == 0:
@@ -541,6 +576,7 @@ class ModelRunner:
             "pipeline": self.pipeline.describe(),  # None without pipeline parallelism
             "speculative": None if self.speculative is None else {
                 **self.speculative.describe(), "draft_tokens": self.num_draft_tokens,
+                "draft_model": None if self.drafter is None else self.drafter.describe(),
                 "accepted_tokens": self.num_accepted_tokens, "verify_rows": self.num_verify_rows},
             "collective_s": self.parallel.collective_s,
             "collectives": self.parallel.num_collectives,

@@ -27,6 +27,7 @@ class SlotState:
     num_prompt: int  # the leading token_ids that are the prompt; the rest were generated
     has_resident: bool = False  # last_tokens[slot] holds a token this worker sampled for it
     generated: list[int] = field(default_factory=list)  # ids it sampled since admission (when speculating)
+    draft_computed: int = 0  # positions whose K/V a draft model holds (workers/draft_model.py)
     grammar: object = None  # workers.sampling.grammar_masks.RequestGrammar once a row with a grammar samples
 
 
@@ -41,6 +42,11 @@ class RowWork:
     token: int | None  # None: prefill from state.token_ids; an id; or USE_RESIDENT
     samples: bool  # after this row every known token is computed
     draft: list[int] | None = None  # a decode row's drafted tokens, verified after its input token
+
+    @property
+    def sample_position(self) -> int:
+        """The position of the token the row samples (a decode row's first, drafts or not)."""
+        return self.start + (1 if self.token is not None else self.num_tokens)
 
     @property
     def lookahead(self) -> int:

@@ -3,7 +3,9 @@
 No torch here: the driver's config module validates it once and hands it to the workers.
 `method` "ngram" drafts by prompt lookup over the request's own tokens (the longest suffix of
 `prompt_lookup_min`..`prompt_lookup_max` tokens that occurred before, and the tokens that
-followed it); `num_speculative_tokens` k is the most drafts a row verifies in one step.
+followed it); "draft_model" drafts greedily with `model`, a smaller Qwen3 checkpoint (or a
+random spec) with the target's vocab, run by the same worker (workers/draft_model.py);
+`num_speculative_tokens` k is the most drafts a row verifies in one step.
 vLLM's other methods are named so a user's config gets a clear refusal, not a silent no-op.
 """
 
@@ -13,8 +15,9 @@ from dataclasses import dataclass
 
 from scheduler.checks import check_int, is_int
 
-METHODS = ("ngram",)
-NOT_YET = ("draft_model", "eagle3", "eagle", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
+METHODS = ("ngram", "draft_model")
+NOT_YET = ("eagle3", "eagle", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
+NGRAM_MODELS = ("ngram", "[ngram]")  # vLLM's older way of naming the method
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is given
 # vLLM's keys that raylm reads; any other key is refused by name
@@ -27,6 +30,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = DEFAULT_LOOKUP
     prompt_lookup_max: int = DEFAULT_LOOKUP
+    model: str | None = None  # the draft model (method draft_model)
 
     @classmethod
     def from_dict(cls, value) -> SpeculativeConfig | None:
@@ -42,16 +46,22 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config key(s) {unknown} are not supported; known keys: {list(KEYS)}")
         method = value.get("method")
         model = value.get("model")
-        if method is None and model in ("ngram", "[ngram]"):  # vLLM's older spelling
-            method = "ngram"
+        if method is None and model is not None:  # vLLM infers the method from the model
+            method = "ngram" if model in NGRAM_MODELS else "draft_model"
         if method in NOT_YET:
             raise ValueError(f"speculative_config method {method!r} is not supported yet; supported: "
                              f"{', '.join(METHODS)}")
         if method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {', '.join(METHODS)}, got {method!r}")
-        if model is not None and model not in ("ngram", "[ngram]"):
+        if method == "ngram" and model is not None and model not in NGRAM_MODELS:
             raise ValueError(f"speculative_config model {model!r} is for a draft model or head; method "
-                             f"{method!r} drafts from the request's own tokens (leave model unset)")
+                             f"'ngram' drafts from the request's own tokens (leave model unset)")
+        if method == "draft_model":
+            if not isinstance(model, str) or not model:
+                raise ValueError(f"speculative_config method 'draft_model' needs model, a checkpoint directory; "
+                                 f"got {model!r}")
+        else:
+            model = None
         k = value.get("num_speculative_tokens")
         if k is None:
             raise ValueError("speculative_config needs num_speculative_tokens (drafts verified per step)")
@@ -68,8 +78,10 @@ class SpeculativeConfig:
             high = low
         if low > high:
             raise ValueError(f"speculative_config prompt_lookup_min {low} must be <= prompt_lookup_max {high}")
-        return cls(method, k, low, high)
+        return cls(method, k, low, high, model)
 
     def describe(self) -> dict:
+        if self.method == "draft_model":
+            return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens, "model": self.model}
         return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
                 "prompt_lookup_min": self.prompt_lookup_min, "prompt_lookup_max": self.prompt_lookup_max}

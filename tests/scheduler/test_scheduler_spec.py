@@ -46,16 +46,18 @@ def test_speculating_gives_the_sequences_of_running_without_it(cfg, depth, draft
     assert stats["kv_blocks_used"] == 0
 
 
-def test_only_plain_greedy_rows_get_lookahead():
+def test_rows_with_logprobs_or_penalties_get_no_lookahead():
     greedy = workload()
     sampled = make_requests(3, prompt_len=4, max_tokens=10, id_prefix="t", temperature=0.7, seed=5)
     logprobs = make_requests(2, prompt_len=5, max_tokens=10, id_prefix="l", logprobs=2)
-    reqs = greedy + sampled + logprobs
+    penalised = make_requests(2, prompt_len=6, max_tokens=10, id_prefix="p", presence_penalty=0.5)
+    reqs = greedy + sampled + logprobs + penalised
     sched = make_scheduler(requests=reqs, num_lookahead_tokens=K, max_num_seqs=16)
     runner = FakeRunner.for_scheduler(sched, draft_right=every_third_wrong)
     drive(sched, runner, depth=2)
     assert_matches_reference(reqs)
-    assert all(r.num_draft_tokens == 0 for r in sampled + logprobs)
+    assert all(r.num_draft_tokens == 0 for r in logprobs + penalised)
+    assert all(r.num_draft_tokens > 0 for r in sampled)  # each drafted position samples as a row of its own
     assert sum(r.num_draft_tokens > 0 for r in greedy) >= len(greedy) // 2
 
 

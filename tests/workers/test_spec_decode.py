@@ -13,6 +13,7 @@ from scheduler.scheduler import Scheduler
 from scheduler.scheduler_config import SchedulerConfig
 from tests.factories import drive
 from tests.workers.tp_ranks import job, run_ranks
+from workers.loader import bundled_model_path
 from workers.ngram import propose_ngram
 from workers.runner import ModelRunner
 from workers.runner_config import RunnerConfig
@@ -28,14 +29,16 @@ def test_config_takes_vllms_keys():
     assert (one.prompt_lookup_min, one.prompt_lookup_max) == (3, 3)  # the other bound follows the one given
     old = SpeculativeConfig.from_dict({"model": "[ngram]", "num_speculative_tokens": 2})
     assert old.method == "ngram"
+    draft = SpeculativeConfig.from_dict({"model": "/models/Qwen3-0.6B", "num_speculative_tokens": 2})
+    assert (draft.method, draft.model) == ("draft_model", "/models/Qwen3-0.6B")  # inferred, as vLLM does
     assert EngineConfig(speculative_config=NGRAM).scheduler_config(num_blocks=8, max_model_len=64) \
         .num_lookahead_tokens == 4
 
 
 @pytest.mark.parametrize("value, message", [
     ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2}, "method 'eagle3' is not supported yet"),
-    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2}, "'draft_model' is not supported yet"),
-    ({"method": "beam", "num_speculative_tokens": 2}, "method must be one of ngram, got 'beam'"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "'draft_model' needs model"),
+    ({"method": "beam", "num_speculative_tokens": 2}, "method must be one of ngram, draft_model, got 'beam'"),
     ({"method": "ngram"}, "needs num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
@@ -79,6 +82,28 @@ PROMPTS = [[5, 100, 200, 5, 100, 200, 5, 100], list(range(10, 40)), [7] * 17, [1
            [5, 100, 200, 5, 100, 200, 5, 100, 300, 301]]
 
 
+def save_random_qwen3(path, *, layers: int = 1, vocab_size: int | None = None, seed: int = 7) -> str:
+    """A Qwen3 checkpoint of the bundled model's shape cut to `layers`, random weights."""
+    import torch
+    from transformers import AutoConfig, Qwen3ForCausalLM
+
+    d = AutoConfig.from_pretrained(bundled_model_path()).to_dict()
+    d["num_hidden_layers"] = layers
+    d["layer_types"] = d["layer_types"][:layers]
+    if vocab_size is not None:
+        d["vocab_size"] = vocab_size
+    torch.manual_seed(seed)
+    Qwen3ForCausalLM(type(AutoConfig.from_pretrained(bundled_model_path()))(**d)).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def random_draft(tmp_path_factory):
+    """A one-layer draft with the bundled model's vocab and random weights: mostly wrong, so
+    exactness cannot lean on draft quality."""
+    return save_random_qwen3(tmp_path_factory.mktemp("draft") / "random-draft")
+
+
 def generate(speculative, *, num_blocks=256, budget=64, depth=1, seeded=False, max_tokens=40):
     """Every prompt's output through a Scheduler and a ModelRunner of the bundled model, in-process."""
     runner = ModelRunner(RunnerConfig(block_size=4, num_kv_blocks=num_blocks, max_num_seqs=8,
@@ -95,6 +120,7 @@ def generate(speculative, *, num_blocks=256, budget=64, depth=1, seeded=False, m
     for r in reqs:
         sched.add_request(r)
     drive(sched, runner, depth=depth)
+    generate.requests = reqs  # the last call's, for per-request figures
     return [r.output_token_ids for r in reqs], sched.stats(), runner.stats()
 
 
@@ -123,6 +149,36 @@ def test_greedy_outputs_equal_those_without_speculation(plain, case):
     assert sched_stats["kv_blocks_used"] == 0
 
 
+@pytest.mark.parametrize("draft", ["itself", "random"])
+@pytest.mark.parametrize("case", [{}, {"depth": 2}, {"budget": 7}, {"num_blocks": 30}],
+                         ids=["whole", "pipelined", "chunked", "preempting"])
+def test_a_draft_models_greedy_outputs_equal_those_without_speculation(plain, random_draft, draft, case):
+    model = bundled_model_path() if draft == "itself" else random_draft
+    spec = SpeculativeConfig.from_dict({"method": "draft_model", "model": model, "num_speculative_tokens": 3})
+    outputs, sched_stats, runner_stats = generate(spec, seeded=True, **case)
+    assert outputs == plain  # the seeded sampled request's too: each position's noise is its own
+    seeded = generate.requests[-1]
+    assert seeded.num_draft_tokens > 0
+    if draft == "itself":
+        assert seeded.num_accepted_tokens > 0
+    worker = runner_stats["speculative"]
+    assert worker["draft_model"]["passes"] > 0
+    if draft == "itself":  # the target drafting for itself: nearly every draft is right
+        assert worker["accepted_tokens"] > 0.9 * worker["draft_tokens"]
+    else:
+        assert worker["accepted_tokens"] < 0.5 * worker["draft_tokens"]
+    if case.get("num_blocks"):
+        assert sched_stats["num_preemptions"] > 0
+    assert sched_stats["kv_blocks_used"] == 0
+
+
+def test_a_draft_model_with_another_vocab_is_refused_by_name(tmp_path):
+    path = save_random_qwen3(tmp_path / "other-vocab", vocab_size=1024)
+    spec = SpeculativeConfig.from_dict({"method": "draft_model", "model": path, "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="vocab_size 1024; the target's is 2048"):
+        ModelRunner(RunnerConfig(num_kv_blocks=16, speculative=spec))
+
+
 def test_speculation_needs_device_outputs():
     with pytest.raises(ValueError, match="device outputs must be on"):
         ModelRunner(RunnerConfig(num_kv_blocks=16, device_outputs=False,
@@ -140,3 +196,46 @@ def test_tensor_parallel_ranks_draft_alike_and_equal_one_rank_without_speculatio
     assert got == plain
     assert stats["tensor_parallel_size"] == 2
     assert 0 < stats["speculative"]["accepted_tokens"] < stats["speculative"]["draft_tokens"]
+
+
+def chi_square_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square quantile at the normal quantile z (3.09: p = 0.001), Wilson-Hilferty."""
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def test_speculative_sampling_keeps_the_targets_distribution():
+    """Unseeded draws at temperature 1 with the target drafting for itself (its greedy tokens, so
+    drafts are often kept and often replaced): the distribution of the tokens at the third and
+    fourth output positions is the same as without speculation (two-sample chi-square, p > 0.001)."""
+    from collections import Counter
+
+    prompt = PROMPTS[0]
+    n = 600
+    draws = {}
+    for name, spec in (("plain", None), ("speculating", SpeculativeConfig.from_dict(
+            {"method": "draft_model", "model": bundled_model_path(), "num_speculative_tokens": 3}))):
+        runner = ModelRunner(RunnerConfig(block_size=4, num_kv_blocks=512, max_num_seqs=32,
+                                          max_num_batched_tokens=512, speculative=spec, seed=11))
+        sched = Scheduler(SchedulerConfig(num_blocks=runner.num_kv_blocks, block_size=4, max_num_seqs=32,
+                                          max_num_batched_tokens=512, max_model_len=runner.max_model_len,
+                                          num_lookahead_tokens=0 if spec is None else 3, enable_prefix_caching=False))
+        reqs = [Request(f"d{i}", prompt, SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True))
+                for i in range(n)]
+        for r in reqs:
+            sched.add_request(r)
+        drive(sched, runner)
+        draws[name] = [tuple(r.output_token_ids[2:4]) for r in reqs]
+        if spec is not None:
+            stats = sched.stats()
+            assert 0.2 < stats["spec_acceptance_rate"] < 0.95  # drafts both kept and replaced
+    a, b = Counter(draws["plain"]), Counter(draws["speculating"])
+    common = [t for t in set(a) | set(b) if a[t] + b[t] >= 10]
+    rare = sum(a[t] + b[t] for t in set(a) | set(b) if t not in common)
+    stat, cells = 0.0, [(a[t], b[t]) for t in common] + [(n - sum(a[t] for t in common), n - sum(b[t] for t in common))]
+    for x, y in cells:
+        if x + y:
+            e = (x + y) / 2
+            stat += (x - e) ** 2 / e + (y - e) ** 2 / e
+    df = len([c for c in cells if sum(c)]) - 1
+    assert df >= 3, (common, rare)
+    assert stat < chi_square_critical(df), (stat, df)

@@ -1,0 +1,100 @@
+"""A draft model on the worker: a smaller Qwen3 with the target's vocab, its own paged KV pool
+indexed by the target's block tables, drafting k tokens greedily for each verifying row.
+
+The draft computes no prompt while the target prefills: a row about to draft first catches the
+draft's KV up from the slot's `draft_computed` to its input token (the whole prompt the first
+time, one or two tokens afterwards), in the same pass that drafts the first token; the other k - 1
+tokens take one single-token pass each, their inputs the previous pass's argmax on the device.
+After verification the draft's KV is valid up to the last position whose input was a true token
+(accepted drafts count); what lies beyond is rewritten by the next catch-up. Positions the draft
+writes are the target's own (same blocks), so a block shared through the prefix cache is written
+only with the K/V of its own tokens, which the request sharing it also computes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.kv_cache import KVCache
+from workers.loader import cast_model, is_random_spec, load_model, random_model
+from workers.models.qwen3 import Qwen3ForCausalLM
+from workers.ops.metadata import SequenceRows, build_metadata
+from workers.slot_table import RowWork
+
+
+class DraftModel:
+    def __init__(self, path: str, *, ops, dtype: torch.dtype, device: torch.device, num_blocks: int,
+                 block_size: int, vocab_size: int, target_vocab: int) -> None:
+        if is_random_spec(path):
+            model = random_model(path, dtype=dtype, device=device)
+        else:
+            model = load_model(path, dtype=dtype, device=device)
+        if model.dtype != dtype:
+            model = cast_model(model, dtype, device)
+        if model.config.vocab_size != target_vocab:
+            raise ValueError(f"speculative_config model {path!r} has vocab_size {model.config.vocab_size}; "
+                             f"the target's is {target_vocab}: a draft model must share the tokenizer")
+        self.path = path
+        self.model: Qwen3ForCausalLM = model.eval()
+        self.vocab_size = vocab_size
+        with torch.no_grad():
+            self.model.prepare(ops, logits_rows=vocab_size, release=True)
+        mc = self.model.config
+        self.block_size = block_size
+        self.device = device
+        self.kv_cache = KVCache(num_layers=mc.num_hidden_layers, num_blocks=num_blocks, block_size=block_size,
+                                num_kv_heads=self.model.shape.num_kv_heads, head_dim=mc.head_dim,
+                                dtype=self.model.dtype, device=device)
+        self.num_passes = 0
+
+    def propose(self, rows: list[RowWork], tokens: list[list[int]]) -> None:
+        """Sets each row's `draft` to its `lookahead` greedy tokens; `tokens[i]` are row i's known
+        tokens up to and including its input token (at position rows[i].start)."""
+        order = sorted(range(len(rows)), key=lambda i: rows[i].state.draft_computed < rows[i].start)
+        rows, tokens = [rows[i] for i in order], [tokens[i] for i in order]  # single-token rows first
+        ids, positions, seqs, last = [], [], [], []
+        for w, known in zip(rows, tokens):
+            start = min(w.state.draft_computed, w.start)
+            ids += known[start:w.start + 1]
+            positions += range(start, w.start + 1)
+            seqs.append(SequenceRows(start, w.start + 1 - start, w.state.block_table))
+            last.append(len(ids) - 1)
+        prev = self._pass(ids, positions, seqs, sum(s.num_tokens == 1 for s in seqs), last)  # [R]
+        columns = [prev]
+        for j in range(1, max(w.lookahead for w in rows)):  # each further draft: one token a row
+            live = [i for i, w in enumerate(rows) if w.lookahead > j]  # a subset of the last pass's
+            index = torch.tensor(live, dtype=torch.int64, device=self.device)
+            nxt = torch.full_like(prev, -1)
+            nxt[index] = self._pass(prev[index], [rows[i].start + j for i in live],
+                                    [SequenceRows(rows[i].start + j, 1, rows[i].state.block_table) for i in live],
+                                    len(live), list(range(len(live))))
+            columns.append(nxt)
+            prev = nxt
+        grid = torch.stack(columns, 1).cpu().tolist()  # [R, k]: the drafts' one host copy
+        for w, row in zip(rows, grid):
+            w.draft = row[:w.lookahead]
+
+    def _pass(self, ids, positions, seqs: list[SequenceRows], num_decode: int, last: list[int]) -> torch.Tensor:
+        """One forward of the draft over `ids` (a host list or a device tensor) -> the argmax at
+        each sequence's `last` index, int64 [len(last)]."""
+        dev = self.device
+        input_ids = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int64, device=dev)
+        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        attn = build_metadata(seqs, num_decode=num_decode, block_size=self.block_size, device=dev)
+        hidden = torch.empty(len(input_ids), self.model.config.hidden_size, dtype=self.model.dtype, device=dev)
+        self.model.embed(input_ids, out=hidden)
+        hidden = self.model(hidden, pos, self.kv_cache, attn)  # [T, hidden]
+        hidden = hidden.index_select(0, torch.tensor(last, dtype=torch.int64, device=dev))
+        self.num_passes += 1
+        return self.model.greedy_ids(hidden, self.vocab_size).to(torch.int64)
+
+    @staticmethod
+    def accepted(w: RowWork, num_accepted: int) -> None:
+        """After verification: the draft's KV holds true tokens up to the input's position plus the
+        accepted drafts it consumed as inputs (it never consumed its last draft)."""
+        w.state.draft_computed = w.start + min(num_accepted + 1, w.lookahead)
+
+    def describe(self) -> dict:
+        mc = self.model.config
+        return {"model": self.path, "layers": mc.num_hidden_layers, "hidden_size": mc.hidden_size,
+                "kv_cache_bytes": self.kv_cache.nbytes, "passes": self.num_passes}
