@@ -43,7 +43,7 @@ def _engine_args(p: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGrou
                    help="int8: quantize an unquantized checkpoint's linears at load (per-channel weights, per-token "
                         "activations); the others name the checkpoint's own format (read from it by default)")
     m.add_argument("--max-model-len", type=int, default=None)
-    m.add_argument("--speculative-config", default=None, type=_json_object,
+    m.add_argument("--speculative-config", default=None, type=json_object,
                    help='speculative decoding, vLLM\'s keys as JSON, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
     k.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (CPU)")
@@ -85,7 +85,8 @@ def _engine_args(p: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGrou
     return {"model": m, "batching": k, "parallel": t, "reliability": r, "advanced": a}
 
 
-def _json_object(text: str) -> dict:
+def json_object(text: str) -> dict:
+    """An argparse type: a JSON object (e.g. --speculative-config)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:

@@ -32,6 +32,7 @@ class EngineSpec:
     num_kv_blocks: int
     max_num_batched_tokens: int
     seed: int
+    speculative_config: dict | None = None
 
     def launch(self):
         import cluster
@@ -39,11 +40,13 @@ class EngineSpec:
         return cluster.launch(
             self.model, num_replicas=self.replicas, dtype=self.dtype, threads_per_worker=self.threads,
             device_outputs=self.device_outputs, max_num_seqs=self.batch_size, block_size=self.block_size,
-            num_kv_blocks=self.num_kv_blocks, max_num_batched_tokens=self.max_num_batched_tokens, seed=self.seed)
+            num_kv_blocks=self.num_kv_blocks, max_num_batched_tokens=self.max_num_batched_tokens, seed=self.seed,
+            speculative_config=self.speculative_config)
 
     def params(self) -> dict:
         return {"dtype": self.dtype or "auto", "replicas": self.replicas, "threads_per_worker": self.threads,
-                "device_outputs": self.device_outputs, "batch_size": self.batch_size}
+                "device_outputs": self.device_outputs, "batch_size": self.batch_size,
+                "speculative_config": self.speculative_config}
 
 
 def greedy_params(wl: Workload) -> list:
@@ -64,13 +67,18 @@ def _warm_up(llm, vocab_size: int) -> None:
 def _stat_delta(before: dict, after: dict) -> dict:
     d = {k: after[k] - before.get(k, 0) for k in ("steps_returned", "decode_steps", "decode_bytes_pulled",
                                                    "bytes_pulled", "worker_time_s", "decode_rows",
-                                                   "num_preemptions", "prefix_hit_tokens")}
+                                                   "num_preemptions", "prefix_hit_tokens", "spec_draft_tokens",
+                                                   "spec_accepted_tokens", "spec_verify_rows")}
     return {
         "steps": d["steps_returned"], "decode_steps": d["decode_steps"], "worker_time_s": d["worker_time_s"],
         "bytes_pulled": d["bytes_pulled"],
         "bytes_per_decode_step": d["decode_bytes_pulled"] / d["decode_steps"] if d["decode_steps"] else None,
         "rows_per_decode_step": d["decode_rows"] / d["decode_steps"] if d["decode_steps"] else None,
         "preemptions": d["num_preemptions"], "prefix_hit_tokens": d["prefix_hit_tokens"],
+        "spec_draft_tokens": d["spec_draft_tokens"], "spec_accepted_tokens": d["spec_accepted_tokens"],
+        "spec_acceptance_rate": d["spec_accepted_tokens"] / d["spec_draft_tokens"] if d["spec_draft_tokens"] else None,
+        "spec_mean_accepted_length": 1 + d["spec_accepted_tokens"] / d["spec_verify_rows"] if d["spec_verify_rows"]
+        else None,
     }
 
 

@@ -112,6 +112,13 @@ def print_report(bench: Bench, out=sys.stdout) -> None:
               f"{s['total_tok_s']:>11.2f} {s['elapsed_s']:>9.1f} {ms(s, 'ttft'):>16} {ms(s, 'tpot'):>16} "
               f"{ms(s, 'itl'):>15} "
               f"{'-' if bps is None else f'{bps:.0f}':>13}", file=out)
+    for r in rows:
+        spec = [f for f in r.rounds if f.get("spec_acceptance_rate") is not None]
+        if spec:
+            f = spec[0]
+            print(f"{r.name}: speculative decoding {r.spec.speculative_config}: acceptance "
+                  f"{f['spec_acceptance_rate']:.2f} ({f['spec_accepted_tokens']} of {f['spec_draft_tokens']} drafted), "
+                  f"{f['spec_mean_accepted_length']:.2f} tokens per verifying row (first round)", file=out)
     held = [f["weight_bytes"] for r in bench.runs if r.kind == "raylm" for f in r.rounds if f.get("weight_bytes")]
     if held:
         on_disk = sum(p.stat().st_size for p in Path(bench.model_spec).glob("*.safetensors"))

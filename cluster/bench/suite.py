@@ -63,7 +63,8 @@ class Bench:
         a = self.a
         dtype = None if a.compute_dtype == "auto" else a.compute_dtype
         return EngineSpec(self.model_spec, dtype, replicas, threads, device_outputs, batch_size, a.block_size,
-                          kv_blocks_for(self.wl, a.block_size), a.max_num_batched_tokens, a.seed)
+                          kv_blocks_for(self.wl, a.block_size), a.max_num_batched_tokens, a.seed,
+                          getattr(a, "speculative_config", None))
 
     def replica_configs(self) -> list[tuple[int, int]]:
         t = self.a.threads_per_worker

@@ -3,6 +3,7 @@ an engine on the random model it benchmarks. Figures are checked for consistency
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -80,3 +81,18 @@ def test_engine_without_tokenizer_takes_token_ids_only(ray_session):
     assert worker["pid"] > 0 and worker["device"] == "cpu" and worker["kv_blocks"] == 32  # where and what it runs
     fp = worker["weights_fingerprint"]
     assert math.isclose(fp, weights_fingerprint(random_model(RANDOM_1L)), rel_tol=1e-9)
+
+
+@pytest.mark.timeout(600)
+def test_bench_reports_speculative_acceptance(ray_session, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    rc = cli_main(["bench", "--model", RANDOM_1L, "--num-requests", "3", "--input-len", "4:12", "--output-len",
+                   "12:16", "--batch-size", "2", "--speculative-config", json.dumps(spec), "--json", str(out)])
+    assert rc == 0
+    fig = runs_by_name(load_report(out))["raylm"]
+    assert fig["params"]["speculative_config"] == spec
+    first = fig["rounds"][0]
+    assert first["spec_draft_tokens"] > 0
+    assert first["spec_acceptance_rate"] == first["spec_accepted_tokens"] / first["spec_draft_tokens"]
+    assert "speculative decoding" in capsys.readouterr().out
