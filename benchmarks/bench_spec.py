@@ -23,7 +23,7 @@ import time
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.scheduler_config import SchedulerConfig
-from workers.loader import bundled_model_path, load_tokenizer
+from workers.loader import bundled_draft_path, bundled_model_path, load_tokenizer
 from workers.runner import ModelRunner
 from workers.runner_config import RunnerConfig
 from workers.spec_config import SpeculativeConfig
@@ -119,16 +119,20 @@ def main() -> None:
              "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
              "one two three four five, one two three four five, one two three",
              "Hello, how are you today? I am fine. Hello, how are"]
-    print(f"part 2: the bundled tiny model, method ngram (prompt_lookup 1..3), k={a.k}, {a.new_tokens} tokens")
+    print(f"part 2: the bundled tiny model, method ngram (prompt_lookup 1..3) and its draft model, k={a.k}, "
+          f"{a.new_tokens} tokens")
     ngram = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": a.k,
                                          "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    draft = SpeculativeConfig.from_dict({"method": "draft_model", "model": bundled_draft_path(),
+                                         "num_speculative_tokens": a.k})
     for batch in (int(b) for b in a.tiny_batches.split(",")):
         prompts = [tok.encode(texts[i % len(texts)]) for i in range(batch)]
         base, want, stats = median_runs(a.repeats, None, prompts, a.new_tokens, None)
-        tok_s, got, stats = median_runs(a.repeats, None, prompts, a.new_tokens, ngram)
         print(f" batch {batch}")
         print(line("no speculation", base, base, True, {"spec_draft_tokens": 0}))
-        print(line("ngram", tok_s, base, got == want, stats))
+        for name, spec in (("ngram", ngram), ("draft model (1 layer)", draft)):
+            tok_s, got, stats = median_runs(a.repeats, None, prompts, a.new_tokens, spec)
+            print(line(name, tok_s, base, got == want, stats))
 
 
 if __name__ == "__main__":

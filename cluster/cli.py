@@ -139,7 +139,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
     print(
         f"[raylm] {n} tokens in {elapsed:.2f}s ({n / elapsed:.1f} tok/s), TTFT {ttft * 1000:.1f} ms, "
         f"finish={out.finish_reason}, bytes pulled per decode step {stats['bytes_pulled_per_decode_step']:.0f}, "
-        f"engine start {t_up:.1f}s, ops {'/'.join(str(v) for v in ops.values() if v) or '-'}",
+        f"engine start {t_up:.1f}s, ops {'/'.join(str(v) for v in ops.values() if v) or '-'}"
+        + (f", speculative acceptance {stats['spec_acceptance_rate']:.2f} "
+           f"({stats['spec_mean_accepted_length']:.2f} tokens per verifying row)" if stats.get("spec_draft_tokens")
+           else ""),
         file=sys.stderr,
     )
     return 0

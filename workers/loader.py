@@ -55,6 +55,11 @@ def bundled_model_path() -> str:
     return str(Path(__file__).resolve().parent / "tiny_model")
 
 
+def bundled_draft_path() -> str:
+    """The bundled tiny Qwen3's draft model (speculative decoding's method draft_model)."""
+    return str(Path(bundled_model_path()) / "draft")
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():

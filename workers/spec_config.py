@@ -11,6 +11,7 @@ vLLM's other methods are named so a user's config gets a clear refusal, not a si
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from scheduler.checks import check_int, is_int
@@ -60,6 +61,8 @@ class SpeculativeConfig:
             if not isinstance(model, str) or not model:
                 raise ValueError(f"speculative_config method 'draft_model' needs model, a checkpoint directory; "
                                  f"got {model!r}")
+            if os.path.isdir(os.path.expanduser(model)):  # workers may start elsewhere than the driver
+                model = os.path.abspath(os.path.expanduser(model))
         else:
             model = None
         k = value.get("num_speculative_tokens")

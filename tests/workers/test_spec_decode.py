@@ -13,7 +13,7 @@ from scheduler.scheduler import Scheduler
 from scheduler.scheduler_config import SchedulerConfig
 from tests.factories import drive
 from tests.workers.tp_ranks import job, run_ranks
-from workers.loader import bundled_model_path
+from workers.loader import bundled_draft_path, bundled_model_path
 from workers.ngram import propose_ngram
 from workers.runner import ModelRunner
 from workers.runner_config import RunnerConfig
@@ -149,11 +149,11 @@ def test_greedy_outputs_equal_those_without_speculation(plain, case):
     assert sched_stats["kv_blocks_used"] == 0
 
 
-@pytest.mark.parametrize("draft", ["itself", "random"])
+@pytest.mark.parametrize("draft", ["itself", "trained", "random"])
 @pytest.mark.parametrize("case", [{}, {"depth": 2}, {"budget": 7}, {"num_blocks": 30}],
                          ids=["whole", "pipelined", "chunked", "preempting"])
 def test_a_draft_models_greedy_outputs_equal_those_without_speculation(plain, random_draft, draft, case):
-    model = bundled_model_path() if draft == "itself" else random_draft
+    model = {"itself": bundled_model_path(), "trained": bundled_draft_path(), "random": random_draft}[draft]
     spec = SpeculativeConfig.from_dict({"method": "draft_model", "model": model, "num_speculative_tokens": 3})
     outputs, sched_stats, runner_stats = generate(spec, seeded=True, **case)
     assert outputs == plain  # the seeded sampled request's too: each position's noise is its own
@@ -165,6 +165,8 @@ def test_a_draft_models_greedy_outputs_equal_those_without_speculation(plain, ra
     assert worker["draft_model"]["passes"] > 0
     if draft == "itself":  # the target drafting for itself: nearly every draft is right
         assert worker["accepted_tokens"] > 0.9 * worker["draft_tokens"]
+    elif draft == "trained":  # the bundled one-layer draft, trained on the target's corpus
+        assert worker["accepted_tokens"] > 0.5 * worker["draft_tokens"]
     else:
         assert worker["accepted_tokens"] < 0.5 * worker["draft_tokens"]
     if case.get("num_blocks"):

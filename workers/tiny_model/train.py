@@ -1,6 +1,11 @@
 """Train the bundled tiny Qwen3 checkpoint, deterministically.
 
     python -m workers.tiny_model.train [OUT_DIR] [--steps N]
+    python -m workers.tiny_model.train --draft [OUT_DIR]
+
+The second trains its draft model for speculative decoding (default OUT_DIR: this package's
+draft/): one layer of the same width, the same tokenizer and corpus, config.json and
+model.safetensors only.
 
 writes config.json, generation_config.json, tokenizer.json, tokenizer_config.json,
 chat_template.jinja and model.safetensors (default OUT_DIR: this package). The corpus is
@@ -36,6 +41,7 @@ PRETOKENIZE_REGEX = (
 )
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32)
+DRAFT_SHAPE = dict(SHAPE, num_hidden_layers=1)
 SEED = 20250601
 NUM_DOCS = 10000
 BPE_DOCS = 3000  # the tokenizer learns from the first documents
@@ -246,14 +252,42 @@ def build(out_dir, steps: int = STEPS, num_docs: int = NUM_DOCS, log=print, anne
     return out
 
 
+def build_draft(out_dir, steps: int = STEPS, num_docs: int = NUM_DOCS, log=print,
+                anneal_steps: int = ANNEAL_STEPS) -> Path:
+    """The draft model beside the bundled checkpoint: its tokenizer, a one-layer config, trained weights."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer.from_file(str(HERE / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS + ADDED_TOKENS}
+    config = {**model_config(tok.get_vocab_size(with_added_tokens=True), ids), **DRAFT_SHAPE,
+              "max_window_layers": DRAFT_SHAPE["num_hidden_layers"]}
+    _write_json(out / "config.json", config)
+    rendered = [render(d) for d in documents(SEED, num_docs)]
+    model = train(tok, rendered, ids, config, steps, log)
+    if anneal_steps:
+        model = anneal(model, tok, ids, anneal_steps, max(num_docs // 5, ANNEAL_BATCH), log)
+    weights = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("out_dir", nargs="?", default=str(HERE))
+    p.add_argument("out_dir", nargs="?", default=None, help="default: this package (its draft/ with --draft)")
+    p.add_argument("--draft", action="store_true", help="train the draft model for speculative decoding")
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--docs", type=int, default=NUM_DOCS)
     p.add_argument("--anneal-steps", type=int, default=ANNEAL_STEPS)
     a = p.parse_args(argv)
-    target = build(a.out_dir, a.steps, a.docs, anneal_steps=a.anneal_steps, log=lambda m: print(m, file=sys.stderr, flush=True))  # noqa: E501
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    if a.draft:
+        target = build_draft(a.out_dir or HERE / "draft", a.steps, a.docs, anneal_steps=a.anneal_steps, log=log)
+        print(f"wrote the tiny Qwen3's draft model to {target}")
+        return 0
+    target = build(a.out_dir or str(HERE), a.steps, a.docs, anneal_steps=a.anneal_steps, log=log)
     print(f"wrote the tiny Qwen3 checkpoint to {target}")
     return 0
 
