@@ -47,15 +47,14 @@ class DraftModel:
                                 dtype=self.model.dtype, device=device)
         self.num_passes = 0
 
-    def propose(self, rows: list[RowWork], tokens: list[list[int]]) -> None:
-        """Sets each row's `draft` to its `lookahead` greedy tokens; `tokens[i]` are row i's known
-        tokens up to and including its input token (at position rows[i].start)."""
-        order = sorted(range(len(rows)), key=lambda i: rows[i].state.draft_computed < rows[i].start)
-        rows, tokens = [rows[i] for i in order], [tokens[i] for i in order]  # single-token rows first
+    def propose(self, rows: list[RowWork]) -> None:
+        """Sets each row's `draft` to its `lookahead` greedy tokens. Each row's input token (at
+        position start) is the last of its state's known tokens."""
+        rows = sorted(rows, key=lambda w: w.state.draft_computed < w.start)  # single-token rows first
         ids, positions, seqs, last = [], [], [], []
-        for w, known in zip(rows, tokens):
+        for w in rows:
             start = min(w.state.draft_computed, w.start)
-            ids += known[start:w.start + 1]
+            ids += w.state.known_tokens(start, w.start + 1)
             positions += range(start, w.start + 1)
             seqs.append(SequenceRows(start, w.start + 1 - start, w.state.block_table))
             last.append(len(ids) - 1)

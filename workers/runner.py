@@ -268,9 +268,9 @@ class ModelRunner:
         return result
 
     def _draft(self, rows) -> None:
-        """Drafts for the decode rows that have room for them and sample plainly greedily, from the
-        request's tokens (what the worker was sent and what it sampled since): prompt lookup, or
-        the draft model."""
+        """Drafts for the decode rows that have room for them and whose sampling allows it
+        (WorkerSampling.speculable), from the request's tokens (what the worker was sent and what it
+        sampled since): prompt lookup, or the draft model."""
         spec = self.speculative
         eligible = [w for w in rows if w.lookahead and w.state.sampling.speculable
                     # an input token this worker knows in place (else: no drafts)
@@ -278,7 +278,7 @@ class ModelRunner:
         if not eligible:
             return
         if self.drafter is not None:
-            self.drafter.propose(eligible, [w.state.token_ids + w.state.generated for w in eligible])
+            self.drafter.propose(eligible)
             return
         for w in eligible:
             seq = np.array(w.state.token_ids + w.state.generated, dtype=np.int64)
