@@ -54,6 +54,7 @@ checked equal). `--layers N` cuts its depth; `--model PATH` takes a checkpoint i
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import platform
@@ -115,12 +116,6 @@ def _rates(text: str) -> list[float]:
     return values
 
 
-def _json_object(text: str) -> dict:
-    from cluster.cli import json_object
-
-    return json_object(text)
-
-
 def _names(allowed: tuple[str, ...], what: str):
     def parse(text: str) -> list[str]:
         values = [v for v in text.split(",") if v]
@@ -152,7 +147,7 @@ def add_parser(sub) -> None:
                    help="max sequences per step (raylm max_num_seqs, HF's batch); a list sweeps")
     b.add_argument("--max-num-batched-tokens", type=int, default=2048)
     b.add_argument("--block-size", type=int, default=16)
-    b.add_argument("--speculative-config", type=_json_object, default=None,
+    b.add_argument("--speculative-config", type=json.loads, default=None,
                    help="raylm runs speculate (vLLM's keys as JSON); their acceptance is reported")
     b.add_argument("--compare", type=_names(("hf", "bare", "vllm"), "--compare"), default=[],
                    help="hf: the same requests through HF transformers; bare: through ModelRunner + Scheduler "
