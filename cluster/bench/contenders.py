@@ -44,9 +44,11 @@ class EngineSpec:
             speculative_config=self.speculative_config)
 
     def params(self) -> dict:
-        return {"dtype": self.dtype or "auto", "replicas": self.replicas, "threads_per_worker": self.threads,
-                "device_outputs": self.device_outputs, "batch_size": self.batch_size,
-                "speculative_config": self.speculative_config}
+        params = {"dtype": self.dtype or "auto", "replicas": self.replicas, "threads_per_worker": self.threads,
+                  "device_outputs": self.device_outputs, "batch_size": self.batch_size}
+        if self.speculative_config is not None:
+            params["speculative_config"] = self.speculative_config
+        return params
 
 
 def greedy_params(wl: Workload) -> list:
