@@ -23,8 +23,10 @@ from workers.slot_table import RowWork
 
 
 class DraftModel:
-    def __init__(self, path: str, *, ops, dtype: torch.dtype, device: torch.device, num_blocks: int,
-                 block_size: int, vocab_size: int, target_vocab: int) -> None:
+    def __init__(self, path: str, *, ops, dtype: torch.dtype, device: torch.device, vocab_size: int,
+                 target_vocab: int) -> None:
+        """Loads the draft's weights; its KV pool comes with `allocate`, once the target's block
+        count is known (sized with `bytes_per_block` added to the target's)."""
         if is_random_spec(path):
             model = random_model(path, dtype=dtype, device=device)
         else:
@@ -39,13 +41,24 @@ class DraftModel:
         self.vocab_size = vocab_size
         with torch.no_grad():
             self.model.prepare(ops, logits_rows=vocab_size, release=True)
+        self.device = device
+        self.block_size = 0
+        self.kv_cache: KVCache | None = None
+        self.num_passes = 0
+
+    def bytes_per_block(self, block_size: int) -> int:
+        mc = self.model.config
+        return KVCache.bytes_per_block(num_layers=mc.num_hidden_layers, block_size=block_size,
+                                       num_kv_heads=self.model.shape.num_kv_heads, head_dim=mc.head_dim,
+                                       dtype=self.model.dtype)
+
+    def allocate(self, num_blocks: int, block_size: int) -> None:
+        """The draft's KV pool: as many blocks as the target's, indexed by the same block tables."""
         mc = self.model.config
         self.block_size = block_size
-        self.device = device
         self.kv_cache = KVCache(num_layers=mc.num_hidden_layers, num_blocks=num_blocks, block_size=block_size,
                                 num_kv_heads=self.model.shape.num_kv_heads, head_dim=mc.head_dim,
-                                dtype=self.model.dtype, device=device)
-        self.num_passes = 0
+                                dtype=self.model.dtype, device=self.device)
 
     def propose(self, rows: list[RowWork]) -> None:
         """Sets each row's `draft` to its `lookahead` greedy tokens. Each row's input token (at

@@ -125,22 +125,23 @@ class ModelRunner:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
                              f"{'scaled RoPE length' if mc.rope_scaling else 'max_position_embeddings'} "
                              f"{mc.max_model_len}")
-        graph_device, use_graphs = self._allocate_kv_cache(config, parallel)
         self.speculative = config.speculative
         if self.speculative is not None and not device_outputs_enabled(config.device_outputs):
             raise ValueError("speculative decoding verifies drafts on the worker: device outputs must be on")
         if self.speculative is not None and self.pipeline.enabled:
             raise ValueError("speculative decoding does not run under pipeline parallelism yet")
+        self.drafter = None  # the draft model's weights load before the KV pools are sized, which count its pool
+        if self.speculative is not None and self.speculative.method == "draft_model":
+            self.drafter = DraftModel(self.speculative.model, ops=self.ops, dtype=self.model.dtype, device=self.device,
+                                      vocab_size=self.vocab_size, target_vocab=mc.vocab_size)
+        graph_device, use_graphs = self._allocate_kv_cache(config, parallel)
+        if self.drafter is not None:
+            self.drafter.allocate(self.num_kv_blocks, config.block_size)
         self.slots = SlotTable(max_num_seqs=config.max_num_seqs, num_blocks=self.num_kv_blocks,
                                block_size=config.block_size, max_model_len=self.max_model_len,
                                vocab_size=mc.vocab_size, max_num_batched_tokens=config.max_num_batched_tokens,
                                max_lookahead=0 if self.speculative is None else self.speculative.num_speculative_tokens)
         self.num_draft_tokens = self.num_accepted_tokens = self.num_verify_rows = 0
-        self.drafter = None
-        if self.speculative is not None and self.speculative.method == "draft_model":
-            self.drafter = DraftModel(self.speculative.model, ops=self.ops, dtype=self.model.dtype, device=self.device,
-                                      num_blocks=self.num_kv_blocks, block_size=config.block_size,
-                                      vocab_size=self.vocab_size, target_vocab=mc.vocab_size)
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)  # [slots]
         self.outputs = ResidentOutputs(self.device)
         self.sampler = Sampler(self.device, seed=config.seed, buffers=self.outputs)  # its scratch is resident too
@@ -209,6 +210,8 @@ class ModelRunner:
         bytes_per_block = KVCache.bytes_per_block(
             num_layers=num_layers, block_size=config.block_size,
             num_kv_heads=kv_heads, head_dim=mc.head_dim, dtype=model.dtype)
+        if self.drafter is not None:  # a block holds the draft's K/V of its positions too
+            bytes_per_block += self.drafter.bytes_per_block(config.block_size)
         if config.num_kv_blocks is not None and self.device.type != "cpu":
             self.num_kv_blocks = config.num_kv_blocks
         else:
