@@ -64,14 +64,17 @@ def build_step_inputs(rows: list[RowWork], *, block_size: int, last_tokens: torc
     row_end: dict[int, int] = {}  # slot -> index of its row's last token in the flat batch
     seqs: list[SequenceRows] = []
 
-    # decode rows: one token at position `start`
-    for i, w in enumerate(decode):
+    def put_input(w: RowWork) -> None:  # a decode row's input token, or a placeholder for its resident one
         if w.token == USE_RESIDENT:
-            resident_rows.append(i)
+            resident_rows.append(len(ids))
             resident_slots.append(w.slot)
             ids.append(0)
         else:
             ids.append(w.token)
+
+    # decode rows: one token at position `start`
+    for i, w in enumerate(decode):
+        put_input(w)
         positions.append(w.start)
         seqs.append(SequenceRows(w.start, 1, w.state.block_table))
         row_end[w.slot] = i
@@ -91,12 +94,7 @@ def build_step_inputs(rows: list[RowWork], *, block_size: int, last_tokens: torc
     drafts: list[int] = []
     for r, w in enumerate(verifying):
         s, d = len(ids), len(w.draft)
-        if w.token == USE_RESIDENT:
-            resident_rows.append(s)
-            resident_slots.append(w.slot)
-            ids.append(0)
-        else:
-            ids.append(w.token)
+        put_input(w)
         ids.extend(w.draft)
         positions.extend(range(w.start, w.start + d + 1))
         seqs.append(SequenceRows(w.start, d + 1, w.state.block_table))

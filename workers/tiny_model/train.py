@@ -238,12 +238,18 @@ def write_metadata(out: Path, rendered):
 
 def build(out_dir, steps: int = STEPS, num_docs: int = NUM_DOCS, log=print, anneal_steps: int = ANNEAL_STEPS) -> Path:
     """Write the whole checkpoint to out_dir: tokenizer and config files, then trained weights."""
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rendered = [render(d) for d in documents(SEED, num_docs)]
     tok, ids, config = write_metadata(out, rendered[:BPE_DOCS])
+    return _train_and_save(out, tok, rendered, ids, config, steps, num_docs, anneal_steps, log)
+
+
+def _train_and_save(out: Path, tok, rendered, ids: dict, config: dict, steps: int, num_docs: int,
+                    anneal_steps: int, log) -> Path:
+    """Both phases from the seeded initialization, then the weights (the tied lm_head left out)."""
+    from safetensors.torch import save_file
+
     model = train(tok, rendered, ids, config, steps, log)
     if anneal_steps:
         model = anneal(model, tok, ids, anneal_steps, max(num_docs // 5, ANNEAL_BATCH), log)
@@ -254,8 +260,7 @@ def build(out_dir, steps: int = STEPS, num_docs: int = NUM_DOCS, log=print, anne
 
 def build_draft(out_dir, steps: int = STEPS, num_docs: int = NUM_DOCS, log=print,
                 anneal_steps: int = ANNEAL_STEPS) -> Path:
-    """The draft model beside the bundled checkpoint: its tokenizer, a one-layer config, trained weights."""
-    from safetensors.torch import save_file
+    """The draft model beside the bundled checkpoint: the bundled tokenizer, a one-layer config, trained weights."""
     from tokenizers import Tokenizer
 
     out = Path(out_dir)
@@ -266,12 +271,7 @@ def build_draft(out_dir, steps: int = STEPS, num_docs: int = NUM_DOCS, log=print
               "max_window_layers": DRAFT_SHAPE["num_hidden_layers"]}
     _write_json(out / "config.json", config)
     rendered = [render(d) for d in documents(SEED, num_docs)]
-    model = train(tok, rendered, ids, config, steps, log)
-    if anneal_steps:
-        model = anneal(model, tok, ids, anneal_steps, max(num_docs // 5, ANNEAL_BATCH), log)
-    weights = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
+    return _train_and_save(out, tok, rendered, ids, config, steps, num_docs, anneal_steps, log)
 
 
 def main(argv=None) -> int:
