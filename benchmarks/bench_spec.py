@@ -8,8 +8,9 @@ bench-only proposer that drafts the request's known greedy continuation (taken f
 without speculation), every draft right (acceptance 100%) or the third of every four wrong
 (acceptance 50%), k drafts a row: what verifying k + 1 positions in one pass and accepting on the
 worker cost, apart from draft quality. Part 2: the bundled tiny model with method ngram
-(prompt lookup) on prompts of repeated text, at the `--tiny-batches` sizes. Prints output
-tokens/s, the ratio to no speculation, the acceptance and whether greedy output is the same.
+(prompt lookup) on prompts of repeated text, at the `--tiny-batches` sizes. Contenders run
+in rotating order, `repeats` times each; prints their median output tokens/s, the ratio to no
+speculation, the acceptance and whether greedy output is the same.
 The model computes in fp32. A script, not a test.
 """
 
@@ -84,10 +85,16 @@ def line(name: str, tok_s: float, base: float, same: bool, stats: dict) -> str:
     return f"  {name:<34} {tok_s:8.1f} tok/s  x{tok_s / base:.2f}  greedy same: {same}  {acc}"
 
 
-def median_runs(repeats: int, *args, **kwargs) -> tuple[float, list, dict]:
-    """run(*args, **kwargs) `repeats` times: the median tok/s, the first run's outputs and stats."""
-    runs = [run(*args, **kwargs) for _ in range(repeats)]
-    return statistics.median(r[0] for r in runs), runs[0][1], runs[0][2]
+def alternate(repeats: int, contenders: dict[str, tuple]) -> dict[str, tuple[float, list, dict]]:
+    """Each contender's run(*args) `repeats` times, in rotating order (this machine's speed drifts
+    within minutes: alternating keeps the ratios of one run honest): its median tok/s, its first
+    run's outputs and stats."""
+    runs: dict[str, list] = {name: [] for name in contenders}
+    names = list(contenders)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            runs[name].append(run(*contenders[name]))
+    return {name: (statistics.median(x[0] for x in rs), rs[0][1], rs[0][2]) for name, rs in runs.items()}
 
 
 def main() -> None:
@@ -106,13 +113,17 @@ def main() -> None:
           f"decode only, median of {a.repeats}")
     for batch in (int(b) for b in a.batches.split(",")):
         prompts = [[rng.randrange(100, 50000) for _ in range(a.prompt_len)] for _ in range(batch)]
-        base, want, stats = median_runs(a.repeats, a.model, prompts, a.new_tokens, None)
-        print(f" batch {batch}")
-        print(line("no speculation", base, base, True, stats))
+        _, want, _ = run(a.model, prompts, a.new_tokens, None)  # the continuation the proposer drafts
         KnownContinuation.continuations = {tuple(p): out for p, out in zip(prompts, want)}
-        for wrong, name in ((0, "known continuation, all right"), (3, "known continuation, 3rd of 4 wrong")):
-            KnownContinuation.wrong_every = wrong
-            tok_s, got, stats = median_runs(a.repeats, a.model, prompts, a.new_tokens, spec, KnownContinuation)
+        right = type("AllRight", (KnownContinuation,), {"wrong_every": 0})
+        half = type("ThirdWrong", (KnownContinuation,), {"wrong_every": 3})
+        figs = alternate(a.repeats, {"no speculation": (a.model, prompts, a.new_tokens, None),
+                                     "known continuation, all right": (a.model, prompts, a.new_tokens, spec, right),
+                                     "known continuation, 3rd of 4 wrong": (a.model, prompts, a.new_tokens, spec,
+                                                                            half)})
+        base = figs["no speculation"][0]
+        print(f" batch {batch}")
+        for name, (tok_s, got, stats) in figs.items():
             print(line(name, tok_s, base, got == want, stats))
     tok = load_tokenizer(bundled_model_path())
     texts = ["The cat sat on the mat. The dog sat on the log. The cat sat on the",
@@ -127,13 +138,13 @@ def main() -> None:
                                          "num_speculative_tokens": a.k})
     for batch in (int(b) for b in a.tiny_batches.split(",")):
         prompts = [tok.encode(texts[i % len(texts)]) for i in range(batch)]
-        base, want, stats = median_runs(a.repeats, None, prompts, a.new_tokens, None)
+        figs = alternate(a.repeats, {"no speculation": (None, prompts, a.new_tokens, None),
+                                     "ngram": (None, prompts, a.new_tokens, ngram),
+                                     "draft model (1 layer)": (None, prompts, a.new_tokens, draft)})
+        base, want = figs["no speculation"][0], figs["no speculation"][1]
         print(f" batch {batch}")
-        print(line("no speculation", base, base, True, {"spec_draft_tokens": 0}))
-        for name, spec in (("ngram", ngram), ("draft model (1 layer)", draft)):
-            tok_s, got, stats = median_runs(a.repeats, None, prompts, a.new_tokens, spec)
+        for name, (tok_s, got, stats) in figs.items():
             print(line(name, tok_s, base, got == want, stats))
-
 
 if __name__ == "__main__":
     main()
