@@ -38,6 +38,10 @@ class IncrementalDetokenizer:
         self.stop_reason: str | None = None
 
     @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stop)
+
+    @property
     def text(self) -> str:
         """All of the text so far (cut before a stop string)."""
         return "".join(self._sent) + self._pending

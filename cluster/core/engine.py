@@ -284,20 +284,28 @@ class LocalEngine:
         if st.logprobs is not None and u.new_logprobs:
             logprobs = [self._token_logprob(lp) for lp in u.new_logprobs]
             st.logprobs.extend(logprobs)
-        st.token_ids += u.new_token_ids
-        stopped = bool(u.new_token_ids) and st.detok.append(u.new_token_ids) is not None  # a stop string
+        new_ids = u.new_token_ids
+        if len(new_ids) > 1 and st.detok.has_stop_strings:  # a verified run: it ends with the token completing one
+            stopped = False
+            for i, token in enumerate(new_ids):
+                if st.detok.append([token]) is not None:
+                    new_ids, stopped = new_ids[:i + 1], True
+                    break
+        else:
+            stopped = bool(new_ids) and st.detok.append(new_ids) is not None  # a stop string
+        st.token_ids += new_ids
         if u.finished:
-            self._finalize(st, req.finish_reason or FinishReason.STOP, new_ids=u.new_token_ids, logprobs=logprobs,
+            self._finalize(st, req.finish_reason or FinishReason.STOP, new_ids=new_ids, logprobs=logprobs,
                            out=out)
             return
         if stopped:
             replica.post_finish(req.request_id, FinishReason.STOP)  # the replica frees it before its next plan
-            self._finalize(st, FinishReason.STOP, new_ids=u.new_token_ids, logprobs=logprobs,
+            self._finalize(st, FinishReason.STOP, new_ids=new_ids, logprobs=logprobs,
                            finish_time=time.monotonic(), out=out)
             return
         text = st.detok.take_delta()
-        if text or u.new_token_ids:
-            out.append((st.stream, StreamDelta(req.request_id, text, list(u.new_token_ids), logprobs)))
+        if text or new_ids:
+            out.append((st.stream, StreamDelta(req.request_id, text, list(new_ids), logprobs)))
 
     def _token_logprob(self, lp) -> TokenLogprob:
         text = self._token_text

@@ -20,17 +20,25 @@ def test_speculating_engine_gives_the_same_greedy_text(ray_session):
     greedy = SamplingParams(max_tokens=40, temperature=0)
     common = dict(num_kv_blocks=128, block_size=4, threads_per_worker=1)
     with cluster.launch(**common) as llm:
-        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
+        plain = llm.generate(PROMPTS, greedy)
+        want = [o.outputs[0].token_ids for o in plain]
+        # a stop string from the middle of each output: the text and ids end where it completes
+        stops = [SamplingParams(max_tokens=40, temperature=0, stop=[o.outputs[0].text[12:15]]) for o in plain]
+        want_stopped = [(o.outputs[0].text, o.outputs[0].token_ids) for o in llm.generate(PROMPTS, stops)]
     with cluster.launch(speculative_config=NGRAM, **common) as llm:
         outs = llm.generate(PROMPTS, greedy)
+        stopped_outs = llm.generate(PROMPTS, stops)
+        stopped = [(o.outputs[0].text, o.outputs[0].token_ids) for o in stopped_outs]
         stats = llm.stats()
         metrics = llm.metrics_text().decode()
         (worker,) = llm.worker_stats()
     assert [o.outputs[0].token_ids for o in outs] == want
+    assert stopped == want_stopped
+    assert all(len(ids) < len(w) for (_, ids), w in zip(want_stopped, want))  # each stop string did cut
     assert 0 < stats["spec_accepted_tokens"] <= stats["spec_draft_tokens"]
     assert stats["spec_acceptance_rate"] == stats["spec_accepted_tokens"] / stats["spec_draft_tokens"]
     assert worker["speculative"]["accepted_tokens"] == stats["spec_accepted_tokens"]
-    assert sum(o.metrics.num_accepted_tokens for o in outs) == stats["spec_accepted_tokens"]
+    assert sum(o.metrics.num_accepted_tokens for o in outs + stopped_outs) == stats["spec_accepted_tokens"]
     assert f"raylm_spec_decode_num_accepted_tokens_total {float(stats['spec_accepted_tokens'])}" in metrics
 
 
