@@ -307,6 +307,7 @@ class EngineConfig:
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=self.enable_prefix_caching, max_concurrent_batches=self.pipeline_parallel_size,
             num_lookahead_tokens=self.num_lookahead_tokens,
+            lookahead_below=None if self.speculative_config is None else self.speculative_config.disable_by_batch_size,
         )
 
     @property

@@ -28,7 +28,7 @@ drafts: the row is budgeted and given blocks for 1 + k positions (fewer where ma
 max_model_len, the budget or the free blocks say so; never by preempting), and its result brings
 1 to k + 1 ids. Only then are the next positions known, so such a request sits out the steps
 dispatched while its row is in flight (others fill them); the K/V of its rejected positions is
-simply overwritten later.
+simply overwritten later. With lookahead_below n, no row gets lookahead while n or more requests run.
 """
 
 from __future__ import annotations
@@ -166,6 +166,8 @@ class Scheduler:
         budget = step.budget
         preempted = False
         batches, lookahead = self.config.max_concurrent_batches, self.config.num_lookahead_tokens
+        below = self.config.lookahead_below
+        drafting = lookahead and (below is None or len(running) < below)  # a large batch gains little from it
         max_rows = -(-len(running) // batches) if batches > 1 else len(running)
         for req in list(running):
             if not budget or len(rows) >= max_rows:
@@ -179,7 +181,7 @@ class Scheduler:
             outputs, pending = req.output_token_ids, req.num_inflight_samples
             speculates = lookahead and req.worker_sampling.speculable
             if pending and (batches > 1 or speculates):
-                continue  # in a step still in flight: the next step's rows are other requests
+                continue  # in a step still in flight (whose row may have verified drafts): other requests
             n_out = len(outputs)
             n_known = len(req.prompt_token_ids) + n_out
             if n_out + pending >= req.params.max_tokens or n_known + pending >= max_len:
@@ -196,7 +198,7 @@ class Scheduler:
                     break  # it was the newest: nothing after it
                 new_blocks = bm.allocate(1)
                 req.block_ids += new_blocks
-            drafts = self._lookahead(req, c, n_out, n_known, budget, new_blocks) if speculates else 0
+            drafts = self._lookahead(req, c, n_out, n_known, budget, new_blocks) if speculates and drafting else 0
             if drafts:
                 step.lookahead[len(samples)] = drafts
                 budget -= drafts

@@ -23,6 +23,7 @@ class SchedulerConfig:
     # speculative decoding: the most drafted tokens a decode row may verify (0: none); such a row
     # reserves KV and budget for them, and a request waits for its row's result before its next row
     num_lookahead_tokens: int = 0
+    lookahead_below: int | None = None  # speculate only while fewer requests than this run (None: always)
 
     @property
     def max_total_tokens(self) -> int:

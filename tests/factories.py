@@ -57,11 +57,11 @@ def reference(prompt, params: SamplingParams, eos=frozenset({EOS}), max_total: i
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
                    max_model_len=256, enable_prefix_caching=True, requests=(), max_concurrent_batches=1,
-                   num_lookahead_tokens=0) -> Scheduler:
+                   num_lookahead_tokens=0, lookahead_below=None) -> Scheduler:
     """A scheduler of this shape, with `requests` added in order."""
     sched = Scheduler(SchedulerConfig(num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
                                       max_model_len, enable_prefix_caching, max_concurrent_batches,
-                                      num_lookahead_tokens))
+                                      num_lookahead_tokens, lookahead_below))
     for r in requests:
         sched.add_request(r)
     return sched

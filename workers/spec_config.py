@@ -5,7 +5,9 @@ No torch here: the driver's config module validates it once and hands it to the 
 `prompt_lookup_min`..`prompt_lookup_max` tokens that occurred before, and the tokens that
 followed it); "draft_model" drafts greedily with `model`, a smaller Qwen3 checkpoint (or a
 random spec) with the target's vocab, run by the same worker (workers/draft_model.py);
-`num_speculative_tokens` k is the most drafts a row verifies in one step.
+`num_speculative_tokens` k is the most drafts a row verifies in one step; with
+`disable_by_batch_size` n, no row drafts while n or more requests run (a step of many rows
+gains little from verifying more positions per row).
 vLLM's other methods are named so a user's config gets a clear refusal, not a silent no-op.
 """
 
@@ -22,7 +24,8 @@ NGRAM_MODELS = ("ngram", "[ngram]")  # vLLM's older way of naming the method
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is given
 # vLLM's keys that raylm reads; any other key is refused by name
-KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+        "disable_by_batch_size")
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = DEFAULT_LOOKUP
     prompt_lookup_max: int = DEFAULT_LOOKUP
     model: str | None = None  # the draft model (method draft_model)
+    disable_by_batch_size: int | None = None  # no drafts while this many requests or more run
 
     @classmethod
     def from_dict(cls, value) -> SpeculativeConfig | None:
@@ -81,10 +85,16 @@ class SpeculativeConfig:
             high = low
         if low > high:
             raise ValueError(f"speculative_config prompt_lookup_min {low} must be <= prompt_lookup_max {high}")
-        return cls(method, k, low, high, model)
+        off = value.get("disable_by_batch_size")
+        check_int("speculative_config disable_by_batch_size", off, 1, optional=True)
+        return cls(method, k, low, high, model, off)
 
     def describe(self) -> dict:
+        out = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
         if self.method == "draft_model":
-            return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens, "model": self.model}
-        return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
-                "prompt_lookup_min": self.prompt_lookup_min, "prompt_lookup_max": self.prompt_lookup_max}
+            out["model"] = self.model
+        else:
+            out.update(prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max)
+        if self.disable_by_batch_size is not None:
+            out["disable_by_batch_size"] = self.disable_by_batch_size
+        return out

@@ -93,3 +93,36 @@ def test_a_result_with_more_ids_than_its_row_could_verify_is_refused():
                      num_ids=pack_int32([4]), num_drafted=pack_int32([2]))
     with pytest.raises(ValueError, match="returned 4 ids, expected 1 to 3"):
         sched.update(bad)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("arrival", range(4, 10))
+def test_no_lookahead_while_the_batch_is_at_disable_by_batch_size(depth, arrival):
+    long = make_requests(3, prompt_len=4, max_tokens=40, id_prefix="long", ignore_eos=True)
+    late = make_requests(5, prompt_len=5, max_tokens=8, id_prefix="late", ignore_eos=True)
+    # a budget that admits one late request beside the long ones' verifying rows: the batch grows past
+    # the limit while rows with drafts are in flight
+    sched = make_scheduler(requests=long, num_lookahead_tokens=K, lookahead_below=4, max_num_batched_tokens=17)
+    runner = FakeRunner.for_scheduler(sched, draft_right=every_third_wrong)
+    seen = []  # (requests running when the step was planned, its plan)
+    schedule = sched.schedule
+
+    def watched():
+        running = sched.num_running
+        plan = schedule()
+        if plan is not None:
+            seen.append((running, plan))
+        return plan
+
+    def arrive_late(s, inflight):  # while the long ones speculate, with their rows in flight
+        if len(seen) >= arrival and late[0].arrival_seq < 0:
+            for r in late:
+                s.add_request(r)
+
+    sched.schedule = watched
+    drive(sched, runner, depth=depth, on_step=arrive_late)
+    assert_matches_reference(long + late)
+    verifying = [running for running, plan in seen if any(r.token is not None and r.num_tokens > 1 for r in plan.rows)]
+    assert verifying and max(verifying) < 4  # rows verify drafts only while fewer than 4 requests run
+    assert any(running >= 4 for running, _ in seen)
+    assert sum(r.num_draft_tokens for r in long) > 0

@@ -33,6 +33,8 @@ def test_config_takes_vllms_keys():
     assert (draft.method, draft.model) == ("draft_model", "/models/Qwen3-0.6B")  # inferred, as vLLM does
     assert EngineConfig(speculative_config=NGRAM).scheduler_config(num_blocks=8, max_model_len=64) \
         .num_lookahead_tokens == 4
+    limited = EngineConfig(speculative_config={**NGRAM, "disable_by_batch_size": 16})
+    assert limited.scheduler_config(num_blocks=8, max_model_len=64).lookahead_below == 16
 
 
 @pytest.mark.parametrize("value, message", [
@@ -44,6 +46,7 @@ def test_config_takes_vllms_keys():
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min 4 must be <= prompt_lookup_max 2"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": -1}, "prompt_lookup_max must be"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size must be"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "draft_tensor_parallel_size"),
     ({"method": "ngram", "model": "Qwen/Qwen3-0.6B", "num_speculative_tokens": 2}, "leave model unset"),
     ("ngram", "must be a mapping"),
