@@ -303,11 +303,11 @@ class ModelRunner:
         if ids is None:  # sampled rows, or tensor parallel: the logits (gathered to rank 0, which samples)
             logits = self.outputs.get_rows("verify_logits", len(h), (self.vocab_size,), torch.float32)
             logits = self.model.compute_logits(h, out=logits)
-            ids = torch.empty(len(h), dtype=torch.int64, device=h.device)
+            ids = self.outputs.get_rows("verify_ids", len(h), (), torch.int64)
             if logits is not None:
                 ids.copy_(self.sampler(logits, batch).token_ids)
             self.parallel.broadcast(ids, src=0)
-        grid = torch.full((r * (k + 1),), -1, dtype=torch.int64, device=h.device)
+        grid = self.outputs.get_rows("verify_grid", r * (k + 1), (), torch.int64).fill_(-1)
         grid = grid.index_copy_(0, v.grid_index, ids.to(torch.int64)).view(r, k + 1)
         accepted = (grid[:, :k] == v.drafts.view(r, k)).to(torch.int64).cumprod(1).sum(1)  # [R]
         self.last_tokens.index_copy_(0, v.slots, grid.gather(1, accepted.unsqueeze(1)).squeeze(1))
