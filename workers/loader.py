@@ -60,6 +60,11 @@ def bundled_draft_path() -> str:
     return str(Path(bundled_model_path()) / "draft")
 
 
+def bundled_eagle3_path() -> str:
+    """The bundled tiny Qwen3's EAGLE-3 head (speculative decoding's method eagle3)."""
+    return str(Path(bundled_model_path()) / "eagle3")
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():

@@ -12,7 +12,8 @@ to rank 0, which samples and broadcasts the ids, so every rank keeps the same la
 Only rank 0's result means anything.
 
 With speculative decoding (config.speculative) a decode row may bring room for k drafts: the
-runner drafts them (prompt lookup over the request's own tokens, or a draft model), computes the
+runner drafts them (prompt lookup over the request's own tokens, a draft model, or an EAGLE-3
+head from the target's hidden states, which it reads at the end of each step), computes the
 input token and the drafts in one pass, samples each position as a row of its own and accepts the
 drafts up to the first that differs from its position's sample, all on the device; the row
 returns its accepted ids and the one after them, and the rejected positions' K/V is left to be
@@ -45,6 +46,7 @@ from workers.device import (
     torch_device,
 )
 from workers.draft_model import DraftModel
+from workers.eagle3_drafter import Eagle3Drafter
 from workers.graphs import DecodeGraphs, check_graph_sizes, default_graph_sizes, graph_device_for
 from workers.kv_cache import KVCache
 from workers.loader import (
@@ -130,10 +132,16 @@ class ModelRunner:
             raise ValueError("speculative decoding verifies drafts on the worker: device outputs must be on")
         if self.speculative is not None and self.pipeline.enabled:
             raise ValueError("speculative decoding does not run under pipeline parallelism yet")
-        self.drafter = None  # the draft model's weights load before the KV pools are sized, which count its pool
+        # a draft model's or head's weights load before the KV pools are sized, which count its pool
+        self.drafter: DraftModel | Eagle3Drafter | None = None
+        self.eagle: Eagle3Drafter | None = None  # the head that reads each step's aux hidden states
         if self.speculative is not None and self.speculative.method == "draft_model":
             self.drafter = DraftModel(self.speculative.model, ops=self.ops, dtype=self.model.dtype, device=self.device,
                                       vocab_size=self.vocab_size, target_vocab=mc.vocab_size)
+        elif self.speculative is not None and self.speculative.method == "eagle3":
+            self.drafter = self.eagle = Eagle3Drafter(self.speculative.model, target=self.model, ops=self.ops,
+                                                      dtype=self.model.dtype, device=self.device,
+                                                      max_slots=config.max_num_seqs)
         graph_device, use_graphs = self._allocate_kv_cache(config, parallel)
         if self.drafter is not None:
             self.drafter.allocate(self.num_kv_blocks, config.block_size)
@@ -210,7 +218,7 @@ class ModelRunner:
         bytes_per_block = KVCache.bytes_per_block(
             num_layers=num_layers, block_size=config.block_size,
             num_kv_heads=kv_heads, head_dim=mc.head_dim, dtype=model.dtype)
-        if self.drafter is not None:  # a block holds the draft's K/V of its positions too
+        if self.drafter is not None:  # a block holds the draft's (or head's) K/V of its positions too
             bytes_per_block += self.drafter.bytes_per_block(config.block_size)
         if config.num_kv_blocks is not None and self.device.type != "cpu":
             self.num_kv_blocks = config.num_kv_blocks
@@ -252,6 +260,9 @@ class ModelRunner:
         if self.parallel.samples:
             self.grammars.check_new(plan.new_requests)  # compiles before the plan changes anything
         rows = self.slots.apply(plan)
+        if self.eagle is not None:
+            for req in plan.new_requests:
+                self.eagle.release(req.slot)  # a slot's head output was its last request's
         if self.device_outputs:
             for req in plan.new_requests:
                 state = self.slots.states[req.slot]
@@ -260,11 +271,15 @@ class ModelRunner:
         if rows:
             if self.speculative is not None:
                 self._draft(rows)
+                known = {w.slot: len(w.state.token_ids) + len(w.state.generated) for w in rows}
             self._set_step_threads(plan.num_tokens)
             with torch.inference_mode():
                 step = self._run(rows, result)
             if self.speculative is not None:
                 self._record_speculation(rows, result, step)
+            if self.eagle is not None:
+                with torch.inference_mode():
+                    self.eagle.extend(rows, known)  # the head reads this step's features
             self.num_steps += 1
             self.num_tokens += plan.num_tokens
         result.step_time = time.perf_counter() - t0
@@ -273,7 +288,7 @@ class ModelRunner:
     def _draft(self, rows) -> None:
         """Drafts for the decode rows that have room for them and whose sampling allows it
         (WorkerSampling.speculable), from the request's tokens (what the worker was sent and what it
-        sampled since): prompt lookup, or the draft model."""
+        sampled since): prompt lookup, the draft model, or the EAGLE-3 head."""
         spec = self.speculative
         eligible = [w for w in rows if w.lookahead and w.state.sampling.speculable
                     # an input token this worker knows in place (else: no drafts)
@@ -342,7 +357,7 @@ class ModelRunner:
             else:
                 d = len(w.draft)
                 w.state.num_computed += len(run) - 1
-                if self.drafter is not None:
+                if isinstance(self.drafter, DraftModel):
                     self.drafter.accepted(w, len(run) - 1)
                 w.state.has_resident = True
                 self.num_draft_tokens += d
@@ -415,7 +430,7 @@ class ModelRunner:
         verified = None
         logits = greedy = None  # greedy: ids straight from the lm_head, when every row takes the argmax
         attn, t = inputs.attn, inputs.num_tokens
-        if (self.graphs is not None and attn.num_decode == attn.num_seqs == t == b
+        if (self.graphs is not None and self.eagle is None and attn.num_decode == attn.num_seqs == t == b
                 and self.graphs.bucket_for(t) is not None):  # decode only: replay a captured step
             logits = self.graphs.run(inputs.input_ids, inputs.positions, attn)  # [B, V]
             if inputs.logits_indices is not None:
@@ -426,7 +441,12 @@ class ModelRunner:
                 self.model.embed(inputs.input_ids, out=hidden_in)  # [T, hidden]
             else:
                 pipeline.recv_hidden(hidden_in)  # [T, hidden]: the previous stage's output
-            hidden = self.model(hidden_in, inputs.positions, self.kv_cache, attn)  # [T, hidden]
+            if self.eagle is not None:
+                aux: list[torch.Tensor] = []
+                hidden = self.model(hidden_in, inputs.positions, self.kv_cache, attn, self.eagle.aux_layers, aux)
+                self.eagle.hold(inputs.row_starts, aux)
+            else:
+                hidden = self.model(hidden_in, inputs.positions, self.kv_cache, attn)  # [T, hidden]
             if not pipeline.is_last:
                 pipeline.send_hidden(hidden)
                 if pipeline.is_first and b and self.device_outputs:
@@ -579,7 +599,7 @@ class ModelRunner:
             "pipeline": self.pipeline.describe(),  # None without pipeline parallelism
             "speculative": None if self.speculative is None else {
                 **self.speculative.describe(), "draft_tokens": self.num_draft_tokens,
-                "draft_model": None if self.drafter is None else self.drafter.describe(),
+                "drafter": None if self.drafter is None else self.drafter.describe(),
                 "accepted_tokens": self.num_accepted_tokens, "verify_rows": self.num_verify_rows},
             "collective_s": self.parallel.collective_s,
             "collectives": self.parallel.num_collectives,

@@ -5,6 +5,9 @@ No torch here: the driver's config module validates it once and hands it to the 
 `prompt_lookup_min`..`prompt_lookup_max` tokens that occurred before, and the tokens that
 followed it); "draft_model" drafts greedily with `model`, a smaller Qwen3 checkpoint (or a
 random spec) with the target's vocab, run by the same worker (workers/draft_model.py);
+"eagle3" drafts greedily with `model`, an EAGLE-3 head for the target (a published head's
+directory, or `random:eagle3[?seed=S&draft_vocab=N]`), from the target's own hidden states
+(workers/eagle3_drafter.py);
 `num_speculative_tokens` k is the most drafts a row verifies in one step; with
 `disable_by_batch_size` n, no row drafts while n or more requests run (a step of many rows
 gains little from verifying more positions per row).
@@ -18,8 +21,8 @@ from dataclasses import dataclass
 
 from scheduler.checks import check_int, is_int
 
-METHODS = ("ngram", "draft_model")
-NOT_YET = ("eagle3", "eagle", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
+METHODS = ("ngram", "draft_model", "eagle3")
+NOT_YET = ("eagle", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
 NGRAM_MODELS = ("ngram", "[ngram]")  # vLLM's older way of naming the method
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is given
@@ -52,7 +55,8 @@ class SpeculativeConfig:
         method = value.get("method")
         model = value.get("model")
         if method is None and model is not None:  # vLLM infers the method from the model
-            method = "ngram" if model in NGRAM_MODELS else "draft_model"
+            method = ("ngram" if model in NGRAM_MODELS else "eagle3" if isinstance(model, str) and
+                      "eagle3" in model.lower() else "draft_model")
         if method in NOT_YET:
             raise ValueError(f"speculative_config method {method!r} is not supported yet; supported: "
                              f"{', '.join(METHODS)}")
@@ -61,10 +65,10 @@ class SpeculativeConfig:
         if method == "ngram" and model is not None and model not in NGRAM_MODELS:
             raise ValueError(f"speculative_config model {model!r} is for a draft model or head; method "
                              f"'ngram' drafts from the request's own tokens (leave model unset)")
-        if method == "draft_model":
+        if method in ("draft_model", "eagle3"):
             if not isinstance(model, str) or not model:
-                raise ValueError(f"speculative_config method 'draft_model' needs model, a checkpoint directory; "
-                                 f"got {model!r}")
+                what = "an EAGLE-3 head's directory" if method == "eagle3" else "a checkpoint directory"
+                raise ValueError(f"speculative_config method {method!r} needs model, {what}; got {model!r}")
             if os.path.isdir(os.path.expanduser(model)):  # workers may start elsewhere than the driver
                 model = os.path.abspath(os.path.expanduser(model))
         else:
@@ -91,7 +95,7 @@ class SpeculativeConfig:
 
     def describe(self) -> dict:
         out = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
-        if self.method == "draft_model":
+        if self.method in ("draft_model", "eagle3"):
             out["model"] = self.model
         else:
             out.update(prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max)

@@ -49,6 +49,7 @@ class StepInputs:
     sampling_ints: list[torch.Tensor]  # device views of the caller's `sampling_ints` parts (int64)
     sampling_floats: list[torch.Tensor]  # device views of its `sampling_floats` parts (float32)
     verify: Verify | None = None  # rows verifying drafts (not among `work`); None when none drafted
+    row_starts: dict[int, int] | None = None  # slot -> index of its row's first token in the flat batch
 
 
 def build_step_inputs(rows: list[RowWork], *, block_size: int, last_tokens: torch.Tensor,
@@ -62,6 +63,7 @@ def build_step_inputs(rows: list[RowWork], *, block_size: int, last_tokens: torc
     resident_rows: list[int] = []
     resident_slots: list[int] = []
     row_end: dict[int, int] = {}  # slot -> index of its row's last token in the flat batch
+    row_start: dict[int, int] = {}  # slot -> index of its first
     seqs: list[SequenceRows] = []
 
     def put_input(w: RowWork) -> None:  # a decode row's input token, or a placeholder for its resident one
@@ -77,11 +79,12 @@ def build_step_inputs(rows: list[RowWork], *, block_size: int, last_tokens: torc
         put_input(w)
         positions.append(w.start)
         seqs.append(SequenceRows(w.start, 1, w.state.block_table))
-        row_end[w.slot] = i
+        row_end[w.slot] = row_start[w.slot] = i
 
     # prefill chunks
     for w in prefill:
         s, n, start = len(ids), w.num_tokens, w.start
+        row_start[w.slot] = s
         ids.extend(w.state.token_ids[start:start + n])
         positions.extend(range(start, start + n))
         seqs.append(SequenceRows(start, n, w.state.block_table))
@@ -94,6 +97,7 @@ def build_step_inputs(rows: list[RowWork], *, block_size: int, last_tokens: torc
     drafts: list[int] = []
     for r, w in enumerate(verifying):
         s, d = len(ids), len(w.draft)
+        row_start[w.slot] = s
         put_input(w)
         ids.extend(w.draft)
         positions.extend(range(w.start, w.start + d + 1))
@@ -125,5 +129,5 @@ def build_step_inputs(rows: list[RowWork], *, block_size: int, last_tokens: torc
         num_tokens=len(ids), input_ids=t_ids, positions=t_pos, attn=attn,
         logits_indices=None if identity else t_logits_idx, sample_slots=t_sample_slots,
         slots=sample_slots, work=sampling_rows, sampling_ints=ints[len(parts):], sampling_floats=floats,
-        verify=Verify(verifying, k, *ints[7:11]) if verifying else None,
+        verify=Verify(verifying, k, *ints[7:11]) if verifying else None, row_starts=row_start,
     )

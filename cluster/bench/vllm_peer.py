@@ -93,7 +93,8 @@ class VLLMPeer:
 
     def __init__(self, checkpoint: str, *, dtype: str, max_num_seqs: int, max_num_batched_tokens: int,
                  block_size: int | None, threads: int, kv_space_gib: int = 4, venv: str | None = None,
-                 max_model_len: int | None = None, log_path: str | None = None, profile: bool = False) -> None:
+                 max_model_len: int | None = None, log_path: str | None = None, profile: bool = False,
+                 speculative_config: dict | None = None) -> None:
         env = dict(os.environ)
         if profile:  # the engine core in the script's own process, where torch.profiler sees its ops
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -109,7 +110,8 @@ class VLLMPeer:
         t0 = time.perf_counter()
         self._send({"model": checkpoint, "dtype": dtype, "max_num_seqs": max_num_seqs,
                     "max_num_batched_tokens": max_num_batched_tokens, "block_size": block_size,
-                    "max_model_len": max_model_len, "profile": profile})
+                    "max_model_len": max_model_len, "profile": profile,
+                    "speculative_config": speculative_config})
         ready = self._receive()
         self.launch_s = time.perf_counter() - t0
         self.version = ready.get("version")
@@ -203,6 +205,8 @@ def serve_requests() -> None:
         kwargs["max_model_len"] = config["max_model_len"]
     if config.get("block_size"):  # None: vLLM's own (its CPU attention takes multiples of 32 here)
         kwargs["block_size"] = config["block_size"]
+    if config.get("speculative_config"):
+        kwargs["speculative_config"] = config["speculative_config"]
     llm = LLM(model=config["model"], dtype=config["dtype"], max_num_seqs=config["max_num_seqs"],
               max_num_batched_tokens=config["max_num_batched_tokens"], enable_prefix_caching=True, seed=0, **kwargs)
     vocab = llm.llm_engine.model_config.get_vocab_size()

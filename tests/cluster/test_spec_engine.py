@@ -43,13 +43,17 @@ def test_speculating_engine_gives_the_same_greedy_text(ray_session):
 
 
 @pytest.mark.timeout(600)
-def test_a_speculating_worker_killed_mid_run_recomputes_to_the_same_greedy_text(ray_session, faulty_workers):
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_a_speculating_worker_killed_mid_run_recomputes_to_the_same_greedy_text(ray_session, faulty_workers, method):
     from tests.cluster.faults import arm_fault
+    from workers.loader import bundled_eagle3_path
 
+    spec = NGRAM if method == "ngram" else {"method": "eagle3", "model": bundled_eagle3_path(),
+                                            "num_speculative_tokens": 3}
     greedy = SamplingParams(max_tokens=40, temperature=0)
     with cluster.launch(num_kv_blocks=128, block_size=4, threads_per_worker=1) as llm:
         want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
-    with cluster.launch(speculative_config=NGRAM, num_kv_blocks=128, block_size=4, threads_per_worker=1) as llm:
+    with cluster.launch(speculative_config=spec, num_kv_blocks=128, block_size=4, threads_per_worker=1) as llm:
         arm_fault(llm, "exit", after_steps=6)
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
         stats = llm.stats()

@@ -1,8 +1,11 @@
-"""Speculative decoding (n-gram) on the worker: the config's vLLM keys and errors, prompt lookup,
-and the bundled model's outputs with speculation equal to its outputs without, through prefix
-hits, preemption, chunked prefill, pipelining and seeded sampling in the same batch."""
+"""Speculative decoding on the worker: the config's vLLM keys and errors, prompt lookup, and the
+bundled model's outputs with speculation (n-gram, draft models, EAGLE-3 heads, trained and random)
+equal to its outputs without, through prefix hits, preemption, chunked prefill, pipelining, tensor
+parallelism and seeded sampling in the same batch."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -13,7 +16,7 @@ from scheduler.scheduler import Scheduler
 from scheduler.scheduler_config import SchedulerConfig
 from tests.factories import drive
 from tests.workers.tp_ranks import job, run_ranks
-from workers.loader import bundled_draft_path, bundled_model_path
+from workers.loader import bundled_draft_path, bundled_eagle3_path, bundled_model_path
 from workers.ngram import propose_ngram
 from workers.runner import ModelRunner
 from workers.runner_config import RunnerConfig
@@ -38,9 +41,9 @@ def test_config_takes_vllms_keys():
 
 
 @pytest.mark.parametrize("value, message", [
-    ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2}, "method 'eagle3' is not supported yet"),
+    ({"method": "eagle", "model": "x", "num_speculative_tokens": 2}, "method 'eagle' is not supported yet"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "'draft_model' needs model"),
-    ({"method": "beam", "num_speculative_tokens": 2}, "method must be one of ngram, draft_model, got 'beam'"),
+    ({"method": "beam", "num_speculative_tokens": 2}, "method must be one of ngram, draft_model, eagle3, got 'beam'"),
     ({"method": "ngram"}, "needs num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
@@ -165,7 +168,7 @@ def test_a_draft_models_greedy_outputs_equal_those_without_speculation(plain, ra
     if draft == "itself":
         assert seeded.num_accepted_tokens > 0
     worker = runner_stats["speculative"]
-    assert worker["draft_model"]["passes"] > 0
+    assert worker["drafter"]["passes"] > 0
     if draft == "itself":  # the target drafting for itself: nearly every draft is right
         assert worker["accepted_tokens"] > 0.9 * worker["draft_tokens"]
     elif draft == "trained":  # the bundled one-layer draft, trained on the target's corpus
@@ -175,6 +178,40 @@ def test_a_draft_models_greedy_outputs_equal_those_without_speculation(plain, ra
     if case.get("num_blocks"):
         assert sched_stats["num_preemptions"] > 0
     assert sched_stats["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("head", ["trained", "random", "random-vocab"])
+@pytest.mark.parametrize("case", [{}, {"depth": 2}, {"budget": 7}, {"num_blocks": 30}],
+                         ids=["whole", "pipelined", "chunked", "preempting"])
+def test_an_eagle3_heads_greedy_outputs_equal_those_without_speculation(plain, head, case):
+    model = {"trained": bundled_eagle3_path(), "random": "random:eagle3?seed=1",
+             "random-vocab": "random:eagle3?seed=2&draft_vocab=300"}[head]
+    spec = SpeculativeConfig.from_dict({"method": "eagle3", "model": model, "num_speculative_tokens": 3})
+    outputs, sched_stats, runner_stats = generate(spec, seeded=True, **case)
+    assert outputs == plain
+    worker = runner_stats["speculative"]
+    assert worker["drafter"]["passes"] > 0 and worker["draft_tokens"] > 0
+    if head == "trained":  # the bundled head, trained on the target's greedy continuations of corpus prompts
+        assert worker["accepted_tokens"] > 0.35 * worker["draft_tokens"]
+    else:  # random weights: nearly every draft refused
+        assert worker["accepted_tokens"] < 0.1 * worker["draft_tokens"]
+    if case.get("num_blocks"):
+        assert sched_stats["num_preemptions"] > 0
+    assert sched_stats["kv_blocks_used"] == 0
+
+
+def test_an_eagle3_head_for_another_target_is_refused_by_name(tmp_path):
+    from tests.workers.test_eagle3 import PUBLISHED
+
+    path = tmp_path / "qwen3-8b-head"
+    path.mkdir()
+    for change, message in (({}, "has vocab_size 151936; the target's is 2048"),
+                            ({"vocab_size": 2048, "draft_vocab_size": 1024},
+                             "reads features of width 4096; the target's hidden_size is 128")):
+        (path / "config.json").write_text(json.dumps({**PUBLISHED, **change}))
+        spec = SpeculativeConfig.from_dict({"method": "eagle3", "model": str(path), "num_speculative_tokens": 2})
+        with pytest.raises(ValueError, match=message):
+            ModelRunner(RunnerConfig(num_kv_blocks=16, speculative=spec))
 
 
 def test_a_draft_model_with_another_vocab_is_refused_by_name(tmp_path):
@@ -193,14 +230,17 @@ def test_speculation_needs_device_outputs():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_tensor_parallel_ranks_draft_alike_and_equal_one_rank_without_speculation():
+    """Prompt lookup, and the EAGLE-3 head (every rank runs it on the all-reduced features)."""
     runner_kw = dict(block_size=4, num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=64)
-    spec = SpeculativeConfig.from_dict(NGRAM)
+    specs = [SpeculativeConfig.from_dict(NGRAM), SpeculativeConfig.from_dict(
+        {"method": "eagle3", "model": bundled_eagle3_path(), "num_speculative_tokens": 3})]
     ((plain, _),) = run_ranks(1, [job(runner_kw, PROMPTS, 24, scheduler={})])
-    ((got, stats),) = run_ranks(2, [job(dict(runner_kw, speculative=spec), PROMPTS, 24,
-                                        scheduler={"num_lookahead_tokens": 4})])
-    assert got == plain
-    assert stats["tensor_parallel_size"] == 2
-    assert 0 < stats["speculative"]["accepted_tokens"] < stats["speculative"]["draft_tokens"]
+    results = run_ranks(2, [job(dict(runner_kw, speculative=spec), PROMPTS, 24,
+                                scheduler={"num_lookahead_tokens": spec.num_speculative_tokens}) for spec in specs])
+    for got, stats in results:
+        assert got == plain
+        assert stats["tensor_parallel_size"] == 2
+        assert 0 < stats["speculative"]["accepted_tokens"] < stats["speculative"]["draft_tokens"]
 
 
 def chi_square_critical(df: int, z: float = 3.09) -> float:

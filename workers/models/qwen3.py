@@ -423,9 +423,12 @@ class Qwen3ForCausalLM(nn.Module):
         return self._prepared().ops
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                attn: AttentionMetadata) -> torch.Tensor:
+                attn: AttentionMetadata, aux_layers: tuple[int, ...] = (),
+                aux_out: list[torch.Tensor] | None = None) -> torch.Tensor:
         """hidden [T, hidden] (embedded inputs, or the previous pipeline stage's output), positions
-        [T] -> [T, hidden]: the residual stream after this stage's layers (before the final norm)."""
+        [T] -> [T, hidden]: the residual stream after this stage's layers (before the final norm).
+        aux_out gets the residual stream entering each of `aux_layers`, in their order (an EAGLE-3
+        head's features; layer 0's is the embedding)."""
         p = self._prepared()
         ops = p.ops
         if self.inv_freq.dtype != torch.float32 or self.inv_freq.device != hidden.device:
@@ -434,8 +437,13 @@ class Qwen3ForCausalLM(nn.Module):
                                       self.config.rope_attention_factor)  # [T, head_dim] each
         attn = ops.attention.prepare(attn)
         x, residual = hidden, None
+        taken: dict[int, torch.Tensor] = {}
         for j, i in enumerate(self.stage.indices):  # j: the layer's place in this stage's KV cache
+            if i in aux_layers:
+                taken[i] = x if residual is None else x + residual
             x, residual = self.model.layers[i](ops, p.layers[j], x, residual, cos, sin, kv_cache, j, attn)
+        if aux_out is not None:
+            aux_out.extend(taken[i] for i in aux_layers)
         return x + residual
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:

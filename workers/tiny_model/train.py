@@ -2,10 +2,15 @@
 
     python -m workers.tiny_model.train [OUT_DIR] [--steps N]
     python -m workers.tiny_model.train --draft [OUT_DIR]
+    python -m workers.tiny_model.train --eagle3 [OUT_DIR]
 
 The second trains its draft model for speculative decoding (default OUT_DIR: this package's
 draft/): one layer of the same width, the same tokenizer and corpus, config.json and
-model.safetensors only.
+model.safetensors only. The third trains an EAGLE-3 head for it (default OUT_DIR: eagle3/), in
+the published format, on the bundled model's own greedy continuations of corpus prompts: its
+aux hidden states (the inputs of layers 1, 2 and 3) as features, its greedy tokens as labels,
+three drafts unrolled per position (training-time test), a draft vocab of its 1024 most
+generated tokens (d2t).
 
 writes config.json, generation_config.json, tokenizer.json, tokenizer_config.json,
 chat_template.jinja and model.safetensors (default OUT_DIR: this package). The corpus is
@@ -274,15 +279,126 @@ def build_draft(out_dir, steps: int = STEPS, num_docs: int = NUM_DOCS, log=print
     return _train_and_save(out, tok, rendered, ids, config, steps, num_docs, anneal_steps, log)
 
 
+EAGLE_AUX_LAYERS = (1, 2, 3)
+EAGLE_DRAFT_VOCAB = 1024
+EAGLE_PROMPTS, EAGLE_PROMPT_LEN, EAGLE_NEW_TOKENS = 4096, 32, 96
+EAGLE_STEPS, EAGLE_BATCH, EAGLE_LR, EAGLE_UNROLL = 1500, 16, 3e-3, 3
+
+
+def eagle_data(num_prompts: int = EAGLE_PROMPTS, log=print):
+    """The bundled model's greedy continuations of corpus prompts (the last EAGLE_PROMPT_LEN
+    tokens of a chat's prompt, or the first of a prose document), with the model's aux hidden
+    states over each whole sequence: (ids [N, L], features [N, L, 3 x hidden])."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(SEED)
+    torch.set_num_threads(THREADS)
+    tok = Tokenizer.from_file(str(HERE / "tokenizer.json"))
+    model = Qwen3ForCausalLM.from_pretrained(str(HERE), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # greedy past EOS, as a request with ignore_eos runs
+    prompts = []
+    for context, target in (render(d) for d in documents(SEED + 11, num_prompts * 2)):
+        ids = tok.encode(context or target, add_special_tokens=False).ids
+        if len(ids) >= EAGLE_PROMPT_LEN:
+            prompts.append(ids[-EAGLE_PROMPT_LEN:] if context else ids[:EAGLE_PROMPT_LEN])
+        if len(prompts) == num_prompts:
+            break
+    seqs, feats = [], []
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for b in range(0, len(prompts), 64):
+            x = torch.tensor(prompts[b:b + 64])
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=EAGLE_NEW_TOKENS,
+                                 do_sample=False, pad_token_id=0)
+            if out.shape[1] != EAGLE_PROMPT_LEN + EAGLE_NEW_TOKENS:
+                raise RuntimeError(f"generation stopped early: {out.shape[1] - EAGLE_PROMPT_LEN} tokens")
+            hs = model(out, output_hidden_states=True).hidden_states  # [i]: the input of layer i
+            seqs.append(out)
+            feats.append(torch.cat([hs[i] for i in EAGLE_AUX_LAYERS], dim=-1))
+            log(f"eagle3 data {b + len(x)}/{len(prompts)} {time.perf_counter() - t0:.0f}s")
+    return torch.cat(seqs), torch.cat(feats), model.model.embed_tokens.weight.detach()
+
+
+def build_eagle3(out_dir, steps: int = EAGLE_STEPS, num_prompts: int = EAGLE_PROMPTS, log=print) -> Path:
+    """The EAGLE-3 head beside the bundled checkpoint: config.json and model.safetensors."""
+    import torch
+    from safetensors.torch import save_file
+
+    from workers.models.eagle3 import Eagle3Config, Eagle3Head
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ids, feats, embedding = eagle_data(num_prompts, log)
+    torch.manual_seed(SEED + 12)
+    torch.use_deterministic_algorithms(True)
+    mc = json.loads((HERE / "config.json").read_text(encoding="utf-8"))
+    generated = ids[:, EAGLE_PROMPT_LEN:].reshape(-1)
+    counts = torch.bincount(generated, minlength=mc["vocab_size"])
+    vocab = torch.sort(torch.argsort(counts, descending=True, stable=True)[:EAGLE_DRAFT_VOCAB]).values
+    to_draft = torch.full((mc["vocab_size"],), -100, dtype=torch.int64)
+    to_draft[vocab] = torch.arange(EAGLE_DRAFT_VOCAB)
+    config = Eagle3Config(hidden_size=SHAPE["hidden_size"], intermediate_size=SHAPE["intermediate_size"],
+                          num_attention_heads=SHAPE["num_attention_heads"],
+                          num_key_value_heads=SHAPE["num_key_value_heads"], head_dim=SHAPE["head_dim"],
+                          vocab_size=mc["vocab_size"], draft_vocab_size=EAGLE_DRAFT_VOCAB,
+                          target_hidden_size=SHAPE["hidden_size"], aux_layer_ids=EAGLE_AUX_LAYERS,
+                          rope_theta=mc["rope_theta"], rms_norm_eps=mc["rms_norm_eps"])
+    head = Eagle3Head(config)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() >= 2 and p.numel():
+                torch.nn.init.normal_(p, std=0.02)
+        head.d2t.copy_(vocab - torch.arange(EAGLE_DRAFT_VOCAB))
+    params = [p for p in head.parameters() if p.requires_grad and p.numel()]
+    opt = torch.optim.AdamW(params, lr=EAGLE_LR, betas=(0.9, 0.95), weight_decay=0.0)
+    n, length = ids.shape
+    s = length - EAGLE_UNROLL - 1  # chains: each drafts EAGLE_UNROLL tokens after its position
+    labels_ok = torch.arange(length) >= EAGLE_PROMPT_LEN  # the model's own tokens are the labels
+    rng = torch.Generator().manual_seed(SEED + 13)
+    t0 = time.perf_counter()
+    head.train()
+    for step in range(steps):
+        lr = EAGLE_LR * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        rows = torch.randint(0, n, (EAGLE_BATCH,), generator=rng)
+        x, f = ids[rows], feats[rows]
+        hidden, kv, loss = head.fc(f[:, :s]), [], 0.0
+        for j in range(EAGLE_UNROLL):  # pass j: chain i's draft j + 1, at position i + j, from token i + j + 1
+            tokens, label_at = x[:, j + 1:j + 1 + s], torch.arange(s) + j + 2
+            hidden, logits = head.reference_step(embedding[tokens], hidden, torch.arange(s) + j, kv)
+            y = to_draft[x[:, label_at]].masked_fill(~labels_ok[label_at], -100)
+            loss = loss + torch.nn.functional.cross_entropy(logits.reshape(-1, EAGLE_DRAFT_VOCAB), y.reshape(-1),
+                                                            ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if step % 50 == 0 or step == steps - 1:
+            log(f"eagle3 step {step:4d}/{steps} loss {loss.item() / EAGLE_UNROLL:.3f} {time.perf_counter() - t0:.0f}s")
+    weights = {k: v.detach().contiguous() for k, v in head.state_dict().items() if k != "embed_tokens.weight"}
+    weights["t2d"] = to_draft >= 0
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    _write_json(out / "config.json", config.to_dict())
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out_dir", nargs="?", default=None, help="default: this package (its draft/ with --draft)")
     p.add_argument("--draft", action="store_true", help="train the draft model for speculative decoding")
+    p.add_argument("--eagle3", action="store_true", help="train the EAGLE-3 head for speculative decoding")
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--docs", type=int, default=NUM_DOCS)
     p.add_argument("--anneal-steps", type=int, default=ANNEAL_STEPS)
     a = p.parse_args(argv)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    if a.eagle3:
+        target = build_eagle3(a.out_dir or HERE / "eagle3", log=log)
+        print(f"wrote the tiny Qwen3's EAGLE-3 head to {target}")
+        return 0
     if a.draft:
         target = build_draft(a.out_dir or HERE / "draft", a.steps, a.docs, anneal_steps=a.anneal_steps, log=log)
         print(f"wrote the tiny Qwen3's draft model to {target}")
