@@ -23,7 +23,7 @@ a request whose sampled token is in flight gets no decode row, and a step takes 
 1/B of the running decodes, so B steps of about equal size keep B stages busy.
 
 With speculative decoding (num_lookahead_tokens k > 0) the decode row of a request without
-penalties, grammar or logprobs (WorkerSampling.speculable) may verify up to k tokens the worker
+penalties or a grammar (WorkerSampling.speculable) may verify up to k tokens the worker
 drafts: the row is budgeted and given blocks for 1 + k positions (fewer where max_tokens,
 max_model_len, the budget or the free blocks say so; never by preempting), and its result brings
 1 to k + 1 ids. Only then are the next positions known, so such a request sits out the steps
@@ -312,7 +312,9 @@ class Scheduler:
             if req.admission == admission and req.status is RUNNING:
                 self._publish(req, computed)
 
-        logprobs = {lp.row: lp for lp in result.logprobs} if result.logprobs else None
+        logprobs: dict[int, list] = {}  # result row -> its tokens' logprobs (a verified run's, in order)
+        for lp in result.logprobs or ():
+            logprobs.setdefault(lp.row, []).append(lp)
         updates = []
         now = time.monotonic()
         max_len = self._max_len
@@ -334,15 +336,21 @@ class Scheduler:
             if n == 1:
                 token = ids[start - 1]
                 if req.params.logprobs is not None:
-                    lp = logprobs[k]
+                    lp = logprobs[k][0]
                     new_logprobs = [SampleLogprobs(token, lp.sampled, lp.top_ids, lp.top_logprobs)]
                 reason = req.append_output(token, new_logprobs, now, max_len)
                 new_ids = [token]
             else:  # a verified run: its drafts' K/V stay, up to the first token that stops it
                 new_ids = []
-                for token in ids[start - n:start]:
+                run_lps = logprobs.get(k, [])
+                for j, token in enumerate(ids[start - n:start]):
                     new_ids.append(token)
-                    reason = req.append_output(token, [], now, max_len)
+                    lps = []
+                    if req.params.logprobs is not None:
+                        lp = run_lps[j]
+                        lps = [SampleLogprobs(token, lp.sampled, lp.top_ids, lp.top_logprobs)]
+                        new_logprobs += lps
+                    reason = req.append_output(token, lps, now, max_len)
                     if reason is not None:
                         break
                 if reason is None and req.status is RUNNING:

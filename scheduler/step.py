@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from scheduler.protocol import NewRequest, ScheduledRow, StepPlan, StepResult, unpack_int32
 from scheduler.request import Request
 
@@ -79,11 +81,12 @@ class Step:
                                         or any(not n - 1 <= d <= look.get(k, 0) for k, (n, d)
                                                in enumerate(zip(counts, drafted)))):
                 raise ValueError(f"step {self.step_id}: draft counts {drafted!r:.80} do not fit the rows")
-        if self.logprob_rows:
-            have = {lp.row for lp in result.logprobs}
-            missing = [k for k in self.logprob_rows if k not in have]
+        if self.logprob_rows:  # one entry per id the row returned (a verified run's, in order)
+            have = Counter(lp.row for lp in result.logprobs)
+            missing = [k for k in self.logprob_rows if have[k] != (1 if counts is None else counts[k])]
             if missing:
-                raise ValueError(f"step {self.step_id}: rows {missing} asked for logprobs and have none")
+                raise ValueError(f"step {self.step_id}: rows {missing} asked for logprobs and have none "
+                                 f"or not one per id")
         return ids, counts, drafted
 
     def plan(self, finished: list[int], preempted: list[int]) -> StepPlan:

@@ -146,6 +146,8 @@ class FakeRunner:
                 if n > 1:
                     assert st.sampling.speculable, "lookahead for a row that cannot take drafts"
                     run, drafted = self._verify(row.slot, st, c, n)
+                    if st.sampling.logprobs is not None:  # one entry per token of the run, in order
+                        logprobs += [self._logprobs(len(slots), t, st.sampling.logprobs) for t in run]
                     ids += run
                     counts.append(len(run))
                     drafts.append(drafted)
@@ -161,8 +163,7 @@ class FakeRunner:
                 ws = st.sampling
                 token = model_token(self._entry(st, c + n - 1)[1], c + n, ws.ban_until, set(ws.banned_ids))
                 if ws.logprobs is not None:
-                    logprobs.append(RowLogprobs(len(slots), -token / 100, [token] * ws.logprobs,
-                                                [-token / 100] * ws.logprobs))
+                    logprobs.append(self._logprobs(len(slots), token, ws.logprobs))
                 st.tokens.append(token)
                 self.num_sampled += 1
                 ids.append(token)
@@ -173,6 +174,11 @@ class FakeRunner:
         if self.draft_right is not None:
             result.num_ids, result.num_drafted = pack_int32(counts), pack_int32(drafts)
         return StepResult.from_bytes(result.to_bytes()) if self.codec else result
+
+    @staticmethod
+    def _logprobs(row: int, token: int, n: int) -> RowLogprobs:
+        """The fake model's logprobs of a sampled token: a function of the token alone."""
+        return RowLogprobs(row, -token / 100, [token] * n, [-token / 100] * n)
 
     def _verify(self, slot: int, st: _Slot, c: int, n: int) -> tuple[list[int], int]:
         """A decode row of n tokens: its input and n - 1 drafts (right where draft_right says), each

@@ -33,7 +33,7 @@ import time
 import numpy as np
 import torch
 
-from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, StepResult, WorkerSampling
+from scheduler.protocol import USE_RESIDENT, NewRequest, RowLogprobs, ScheduledRow, StepPlan, StepResult, WorkerSampling
 from workers.block_sizes import check_npu_block_size
 from workers.device import (
     bind_device,
@@ -320,7 +320,9 @@ class ModelRunner:
             logits = self.model.compute_logits(h, out=logits)
             ids = self.outputs.get_rows("verify_ids", len(h), (), torch.int64)
             if logits is not None:
-                ids.copy_(self.sampler(logits, batch).token_ids)
+                out = self.sampler(logits, batch)
+                ids.copy_(out.token_ids)
+                v.logprobs = row_logprobs(out, batch)  # every position's that asked, kept or not
             self.parallel.broadcast(ids, src=0)
         grid = self.outputs.get_rows("verify_grid", r * (k + 1), (), torch.int64).fill_(-1)
         grid = grid.index_copy_(0, v.grid_index, ids.to(torch.int64)).view(r, k + 1)
@@ -344,6 +346,9 @@ class ModelRunner:
         r, k = len(v.work), v.k
         grid, accepted = host[:r * (k + 1)].reshape(r, k + 1), host[r * (k + 1):]
         runs = {w.slot: grid[i, :accepted[i] + 1].tolist() for i, w in enumerate(v.work)}
+        first = dict(zip((w.slot for w in v.work), np.cumsum([0] + [len(w.draft) + 1 for w in v.work]).tolist()))
+        verified_lps = {lp.row: lp for lp in v.logprobs or ()}  # by verified position
+        run_lps = []  # RowLogprobs of the accepted runs' tokens, in token order
         ids: list[int] = []
         counts: list[int] = []
         drafted: list[int] = []
@@ -356,6 +361,10 @@ class ModelRunner:
                 run, d = [next(plain)], 0
             else:
                 d = len(w.draft)
+                for j in range(len(run)):
+                    lp = verified_lps.get(first[w.slot] + j)
+                    if lp is not None:
+                        run_lps.append(RowLogprobs(len(counts), lp.sampled, lp.top_ids, lp.top_logprobs))
                 w.state.num_computed += len(run) - 1
                 if isinstance(self.drafter, DraftModel):
                     self.drafter.accepted(w, len(run) - 1)
@@ -371,6 +380,7 @@ class ModelRunner:
             return  # only the sampling rank's result is read
         for lp in result.logprobs:
             lp.row = row_of[lp.row]
+        result.logprobs += run_lps
         result.slots = [w.slot for w in rows if w.samples]
         result.token_ids = np.asarray(ids, dtype=np.int32).tobytes()
         result.num_ids = np.asarray(counts, dtype=np.int32).tobytes()

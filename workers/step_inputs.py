@@ -34,6 +34,7 @@ class Verify:
     grid_index: torch.Tensor  # [V] int64: each one's place in the [R, k + 1] grid
     drafts: torch.Tensor  # [R * k] int64
     slots: torch.Tensor  # [R] int64
+    logprobs: list | None = None  # RowLogprobs of the verified positions that asked (row: index among them)
 
 
 @dataclass

@@ -283,7 +283,6 @@ class LocalEngine:
         logprobs = None
         if st.logprobs is not None and u.new_logprobs:
             logprobs = [self._token_logprob(lp) for lp in u.new_logprobs]
-            st.logprobs.extend(logprobs)
         new_ids = u.new_token_ids
         if len(new_ids) > 1 and st.detok.has_stop_strings:  # a verified run: it ends with the token completing one
             stopped = False
@@ -293,6 +292,9 @@ class LocalEngine:
                     break
         else:
             stopped = bool(new_ids) and st.detok.append(new_ids) is not None  # a stop string
+        if logprobs is not None:
+            logprobs = logprobs[:len(new_ids)]
+            st.logprobs.extend(logprobs)
         st.token_ids += new_ids
         if u.finished:
             self._finalize(st, req.finish_reason or FinishReason.STOP, new_ids=new_ids, logprobs=logprobs,

@@ -200,6 +200,36 @@ def test_an_eagle3_heads_greedy_outputs_equal_those_without_speculation(plain, h
     assert sched_stats["kv_blocks_used"] == 0
 
 
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_logprobs_of_speculated_tokens_equal_those_without_speculation(method):
+    """Requests asking for logprobs speculate too: each accepted token's logprob and top-n are its
+    position's, as without speculation (greedy, and a seeded sampled request)."""
+    eagle = {"method": "eagle3", "model": bundled_eagle3_path(), "num_speculative_tokens": 3}
+    spec = SpeculativeConfig.from_dict(NGRAM if method == "ngram" else eagle)
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=3),
+              SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True, logprobs=2)]
+    got = {}
+    for name, s in (("plain", None), ("speculating", spec)):
+        runner = ModelRunner(RunnerConfig(block_size=4, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=64,
+                                          speculative=s))
+        sched = Scheduler(SchedulerConfig(num_blocks=runner.num_kv_blocks, block_size=4, max_num_seqs=8,
+                                          max_num_batched_tokens=64, max_model_len=runner.max_model_len,
+                                          num_lookahead_tokens=0 if s is None else s.num_speculative_tokens))
+        reqs = [Request(f"r{i}-{j}", p, sp) for i, p in enumerate(PROMPTS[:3]) for j, sp in enumerate(params)]
+        for r in reqs:
+            sched.add_request(r)
+        drive(sched, runner)
+        got[name] = reqs
+    for a, b in zip(got["plain"], got["speculating"]):
+        assert b.output_token_ids == a.output_token_ids
+        assert len(b.output_logprobs) == len(b.output_token_ids)
+        for x, y in zip(a.output_logprobs, b.output_logprobs):
+            assert (y.token_id, y.top_ids) == (x.token_id, x.top_ids)
+            assert y.logprob == pytest.approx(x.logprob, abs=1e-4)
+            assert y.top_logprobs == pytest.approx(x.top_logprobs, abs=1e-4)
+    assert sum(r.num_accepted_tokens for r in got["speculating"]) > 0
+
+
 def test_an_eagle3_head_for_another_target_is_refused_by_name(tmp_path):
     from tests.workers.test_eagle3 import PUBLISHED
 
