@@ -456,6 +456,7 @@ class _NoText:
 
     text = ""
     stop_reason = None
+    has_stop_strings = False  # stop strings need text: a verified run is taken whole
 
     def append(self, token_ids) -> None:
         return None

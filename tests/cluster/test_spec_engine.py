@@ -22,8 +22,9 @@ def test_speculating_engine_gives_the_same_greedy_text(ray_session):
     with cluster.launch(**common) as llm:
         plain = llm.generate(PROMPTS, greedy)
         want = [o.outputs[0].token_ids for o in plain]
-        # a stop string from the middle of each output: the text and ids end where it completes
-        stops = [SamplingParams(max_tokens=40, temperature=0, stop=[o.outputs[0].text[12:15]]) for o in plain]
+        # a stop string from the middle of each output: the text, ids and logprobs end where it completes
+        stops = [SamplingParams(max_tokens=40, temperature=0, stop=[o.outputs[0].text[12:15]], logprobs=2)
+                 for o in plain]
         want_stopped = [(o.outputs[0].text, o.outputs[0].token_ids) for o in llm.generate(PROMPTS, stops)]
     with cluster.launch(speculative_config=NGRAM, **common) as llm:
         outs = llm.generate(PROMPTS, greedy)
@@ -34,6 +35,8 @@ def test_speculating_engine_gives_the_same_greedy_text(ray_session):
         (worker,) = llm.worker_stats()
     assert [o.outputs[0].token_ids for o in outs] == want
     assert stopped == want_stopped
+    for o in stopped_outs:  # the logprobs of a run cut by a stop string are cut with it
+        assert [lp.token_id for lp in o.outputs[0].logprobs] == o.outputs[0].token_ids
     assert all(len(ids) < len(w) for (_, ids), w in zip(want_stopped, want))  # each stop string did cut
     assert 0 < stats["spec_accepted_tokens"] <= stats["spec_draft_tokens"]
     assert stats["spec_acceptance_rate"] == stats["spec_accepted_tokens"] / stats["spec_draft_tokens"]
@@ -74,3 +77,19 @@ def test_the_cli_passes_the_speculative_config(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--speculative-config", "[1, 2]"])
     assert "must be a JSON object" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(600)
+def test_a_model_without_a_tokenizer_takes_verified_runs_whole(ray_session):
+    """A random model (ids only, no text) drafting for itself: every run is accepted whole."""
+    model = "random:qwen3-0.6b?layers=1&seed=0"
+    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    common = dict(model=model, num_kv_blocks=32, block_size=16, threads_per_worker=1)
+    with cluster.launch(**common) as llm:
+        want = [o.token_ids for o in llm.generate([[1, 2, 3], [4, 5]], greedy)]
+    with cluster.launch(speculative_config=spec, **common) as llm:
+        got = [o.token_ids for o in llm.generate([[1, 2, 3], [4, 5]], greedy)]
+        stats = llm.stats()
+    assert got == want
+    assert stats["spec_accepted_tokens"] > 0
