@@ -197,9 +197,9 @@ class WorkerSampling:
     @property
     def speculable(self) -> bool:
         """Whether its decode rows may take drafted tokens: each verified position is sampled as
-        its own row (the distribution depends on the position alone, and each keeps its logprobs),
-        which holds unless penalties count earlier tokens or a grammar's state advances."""
-        return not self.has_penalties and self.grammar is None
+        its own row (with its own logprobs, and a grammar's mask after the drafts before it),
+        which holds unless penalties count the tokens before it."""
+        return not self.has_penalties
 
     @property
     def counts_tokens(self) -> bool:

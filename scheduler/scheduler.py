@@ -23,7 +23,7 @@ a request whose sampled token is in flight gets no decode row, and a step takes 
 1/B of the running decodes, so B steps of about equal size keep B stages busy.
 
 With speculative decoding (num_lookahead_tokens k > 0) the decode row of a request without
-penalties or a grammar (WorkerSampling.speculable) may verify up to k tokens the worker
+penalties (WorkerSampling.speculable) may verify up to k tokens the worker
 drafts: the row is budgeted and given blocks for 1 + k positions (fewer where max_tokens,
 max_model_len, the budget or the free blocks say so; never by preempting), and its result brings
 1 to k + 1 ids. Only then are the next positions known, so such a request sits out the steps

@@ -54,8 +54,9 @@ def random_head(spec: str, target: Qwen3ForCausalLM, dtype: torch.dtype, device)
                           num_attention_heads=mc.num_attention_heads, num_key_value_heads=mc.num_key_value_heads,
                           head_dim=mc.head_dim, vocab_size=mc.vocab_size, draft_vocab_size=draft_vocab,
                           target_hidden_size=mc.hidden_size, rms_norm_eps=mc.rms_norm_eps, rope_theta=mc.rope_theta,
-                          aux_layer_ids=tuple(sorted({0, mc.num_hidden_layers // 2, mc.num_hidden_layers - 1})[-3:])
-                          if mc.num_hidden_layers < 5 else None)
+                          # vLLM's default needs 5 layers; a shallower target gives its first, middle and last
+                          aux_layer_ids=None if mc.num_hidden_layers >= 5 else
+                          (0, mc.num_hidden_layers // 2, mc.num_hidden_layers - 1))
     config.check()
     gen = torch.Generator().manual_seed(int(opts.get("seed", 0)))
     head = Eagle3Head(config)

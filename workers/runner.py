@@ -159,7 +159,8 @@ class ModelRunner:
         self.device_outputs = device_outputs_enabled(config.device_outputs)
         checkpoint = None if is_random_spec(config.model) else (config.model or bundled_model_path())
         self.grammars = GrammarMasks(max_num_seqs=config.max_num_seqs, vocab_size=mc.vocab_size,
-                                     device=self.device, checkpoint=checkpoint)  # rank 0 samples: only it masks
+                                     device=self.device, checkpoint=checkpoint,  # rank 0 samples: only it masks
+                                     max_lookahead=self.slots.max_lookahead)
         if config.prepare_structured_output and parallel.samples:  # only the sampling rank masks
             self.grammars.prepare()
         self.num_steps = 0
@@ -314,12 +315,14 @@ class ModelRunner:
         tokens followed by the R accepted-draft counts."""
         r, k = len(v.work), v.k
         h = hidden.index_select(0, v.indices)  # [V, hidden]
-        ids = self.model.greedy_ids(h, self.vocab_size) if batch.argmax_only else None  # [V]
+        fused = batch.argmax_only and not self.grammars.any_grammar(v.work)
+        ids = self.model.greedy_ids(h, self.vocab_size) if fused else None  # [V]
         if ids is None:  # sampled rows, or tensor parallel: the logits (gathered to rank 0, which samples)
             logits = self.outputs.get_rows("verify_logits", len(h), (self.vocab_size,), torch.float32)
             logits = self.model.compute_logits(h, out=logits)
             ids = self.outputs.get_rows("verify_ids", len(h), (), torch.int64)
             if logits is not None:
+                self.grammars.mask_verified(logits, v.work)  # each position after the drafts before it
                 out = self.sampler(logits, batch)
                 ids.copy_(out.token_ids)
                 v.logprobs = row_logprobs(out, batch)  # every position's that asked, kept or not
@@ -366,6 +369,8 @@ class ModelRunner:
                     if lp is not None:
                         run_lps.append(RowLogprobs(len(counts), lp.sampled, lp.top_ids, lp.top_logprobs))
                 w.state.num_computed += len(run) - 1
+                if self.parallel.samples:
+                    self.grammars.accept_run(w, run)
                 if isinstance(self.drafter, DraftModel):
                     self.drafter.accepted(w, len(run) - 1)
                 w.state.has_resident = True

@@ -151,3 +151,14 @@ def test_the_bundled_head_is_in_the_published_format():
     assert c.draft_vocab_size < c.vocab_size  # a draft vocab mapped through d2t
     head = load_head(bundled_eagle3_path(), torch.float32, "cpu")
     assert int((head.d2t + torch.arange(c.draft_vocab_size)).max()) < c.vocab_size
+
+
+@pytest.mark.parametrize("layers, want", [(1, (0, 0, 0)), (3, (0, 1, 2)), (8, (2, 4, 5))])
+def test_a_random_head_reads_layers_the_target_has(layers, want):
+    from workers.loader import random_qwen3
+
+    small = random_qwen3(layers=layers, vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=32, dtype=torch.float32)
+    head = random_head("random:eagle3?seed=1&draft_vocab=100", small, torch.float32, "cpu")
+    assert head.config.layers_for(layers) == want
+    assert int((head.d2t + torch.arange(100)).max()) < 256

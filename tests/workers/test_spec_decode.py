@@ -110,24 +110,30 @@ def random_draft(tmp_path_factory):
     return save_random_qwen3(tmp_path_factory.mktemp("draft") / "random-draft")
 
 
-def generate(speculative, *, num_blocks=256, budget=64, depth=1, seeded=False, max_tokens=40):
-    """Every prompt's output through a Scheduler and a ModelRunner of the bundled model, in-process."""
+def run_requests(speculative, reqs: list[Request], *, num_blocks=256, budget=64, depth=1) -> tuple[dict, dict]:
+    """`reqs` through a Scheduler and a ModelRunner of the bundled model, in-process: their stats."""
     runner = ModelRunner(RunnerConfig(block_size=4, num_kv_blocks=num_blocks, max_num_seqs=8,
                                       max_num_batched_tokens=budget, speculative=speculative))
     sched = Scheduler(SchedulerConfig(num_blocks=runner.num_kv_blocks, block_size=4, max_num_seqs=8,
                                       max_num_batched_tokens=budget, max_model_len=runner.max_model_len,
                                       num_lookahead_tokens=0 if speculative is None else
                                       speculative.num_speculative_tokens))
+    for r in reqs:
+        sched.add_request(r)
+    drive(sched, runner, depth=depth)
+    return sched.stats(), runner.stats()
+
+
+def generate(speculative, *, seeded=False, max_tokens=40, **kw):
+    """Every prompt's greedy output (and a seeded sampled one's)."""
     reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
             for i, p in enumerate(PROMPTS)]
     if seeded:
         reqs.append(Request("seeded", PROMPTS[0], SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=3,
                                                                  ignore_eos=True)))
-    for r in reqs:
-        sched.add_request(r)
-    drive(sched, runner, depth=depth)
+    sched_stats, runner_stats = run_requests(speculative, reqs, **kw)
     generate.requests = reqs  # the last call's, for per-request figures
-    return [r.output_token_ids for r in reqs], sched.stats(), runner.stats()
+    return [r.output_token_ids for r in reqs], sched_stats, runner_stats
 
 
 @pytest.fixture(scope="module")
@@ -210,16 +216,8 @@ def test_logprobs_of_speculated_tokens_equal_those_without_speculation(method):
               SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True, logprobs=2)]
     got = {}
     for name, s in (("plain", None), ("speculating", spec)):
-        runner = ModelRunner(RunnerConfig(block_size=4, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=64,
-                                          speculative=s))
-        sched = Scheduler(SchedulerConfig(num_blocks=runner.num_kv_blocks, block_size=4, max_num_seqs=8,
-                                          max_num_batched_tokens=64, max_model_len=runner.max_model_len,
-                                          num_lookahead_tokens=0 if s is None else s.num_speculative_tokens))
-        reqs = [Request(f"r{i}-{j}", p, sp) for i, p in enumerate(PROMPTS[:3]) for j, sp in enumerate(params)]
-        for r in reqs:
-            sched.add_request(r)
-        drive(sched, runner)
-        got[name] = reqs
+        got[name] = [Request(f"r{i}-{j}", p, sp) for i, p in enumerate(PROMPTS[:3]) for j, sp in enumerate(params)]
+        run_requests(s, got[name])
     for a, b in zip(got["plain"], got["speculating"]):
         assert b.output_token_ids == a.output_token_ids
         assert len(b.output_logprobs) == len(b.output_token_ids)
@@ -227,6 +225,32 @@ def test_logprobs_of_speculated_tokens_equal_those_without_speculation(method):
             assert (y.token_id, y.top_ids) == (x.token_id, x.top_ids)
             assert y.logprob == pytest.approx(x.logprob, abs=1e-4)
             assert y.top_logprobs == pytest.approx(x.top_logprobs, abs=1e-4)
+    assert sum(r.num_accepted_tokens for r in got["speculating"]) > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_a_grammar_checks_drafted_tokens(method):
+    """Structured output speculates: each verified position is masked by the grammar after the
+    drafts before it, so the output is the one without speculation (greedy and seeded sampled)."""
+    from scheduler.grammar_spec import GrammarSpec
+    from workers.sampling.grammar import xgrammar_available
+
+    if not xgrammar_available():
+        pytest.skip("xgrammar is not installed (raylm[structured])")
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "tags": {"type": "array", "items": {"type": "string"}}},
+              "required": ["name", "tags"]}
+    eagle = {"method": "eagle3", "model": bundled_eagle3_path(), "num_speculative_tokens": 3}
+    spec = SpeculativeConfig.from_dict({**NGRAM, "prompt_lookup_min": 1} if method == "ngram" else eagle)
+    grammars = [GrammarSpec("json_schema", json.dumps(schema)), GrammarSpec("json_object")]
+    params = [SamplingParams(max_tokens=40, temperature=0, grammar=g) for g in grammars] + [
+        SamplingParams(max_tokens=40, temperature=0.9, seed=7, grammar=g) for g in grammars]
+    got = {}
+    for name, s in (("plain", None), ("speculating", spec)):
+        got[name] = [Request(f"r{i}-{j}", p, sp) for i, p in enumerate(PROMPTS[:2]) for j, sp in enumerate(params)]
+        run_requests(s, got[name])
+    assert [r.output_token_ids for r in got["speculating"]] == [r.output_token_ids for r in got["plain"]]
+    assert sum(r.num_draft_tokens for r in got["speculating"]) > 0
     assert sum(r.num_accepted_tokens for r in got["speculating"]) > 0
 
 

@@ -8,6 +8,11 @@ in place; after sampling, `accept` advances those matchers with the sampled ids.
 driver's pipelining is untouched (a USE_RESIDENT row needs nothing from the driver) and
 nothing but the spec, once, crosses the wire.
 
+A decode row verifying drafts (speculative decoding) samples each of its positions as a row of
+its own: `mask_verified` masks position j with the grammar's state after the row's first j
+drafts (accepted into the matcher, then rolled back), so a draft the grammar refuses is never
+kept, and `accept_run` advances the matcher with the tokens the row kept.
+
 The same masking serves host-logits mode: the worker masks the logits it returns, and
 advances each matcher with a decode row's input token (the id the driver sampled) when it
 arrives. A matcher is built from the request's known tokens: after a preemption or a
@@ -68,13 +73,15 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tenso
 class GrammarMasks:
     """Per worker: the compiled-grammar cache (built on first use) and the bitmask buffer."""
 
-    def __init__(self, *, max_num_seqs: int, vocab_size: int, device: torch.device, checkpoint: str | None) -> None:
+    def __init__(self, *, max_num_seqs: int, vocab_size: int, device: torch.device, checkpoint: str | None,
+                 max_lookahead: int = 0) -> None:
         self.max_num_seqs = max_num_seqs
+        self.max_rows = max_num_seqs * (1 + max_lookahead)  # rows masked in a step: every verified position
         self.vocab_size = vocab_size  # the model's (the bitmask's width); logits may be narrower
         self.device = torch.device(device)
         self.checkpoint = checkpoint  # its tokenizer and EOS ids; None: a model without a tokenizer
         self.cache: GrammarCompilerCache | None = None
-        self._bitmask: torch.Tensor | None = None  # [max_num_seqs, ceil(V/32)] int32, on the host
+        self._bitmask: torch.Tensor | None = None  # [max_rows, ceil(V/32)] int32, on the host
         self._build_lock = threading.Lock()  # the step thread and a prefetch may both build the compiler
         self.num_prefetches = 0  # prefetch() calls (the engine sends each grammar ahead of its step)
 
@@ -92,7 +99,7 @@ class GrammarMasks:
             # a finished grammar allows only these: the request then ends as at any EOS
             stop_ids = eos_token_ids(self.checkpoint, tokenizer)
             self.cache = GrammarCompilerCache(tokenizer, self.vocab_size, stop_ids)
-            bitmask = self.cache.xgr.allocate_token_bitmask(self.max_num_seqs, self.vocab_size)
+            bitmask = self.cache.xgr.allocate_token_bitmask(self.max_rows, self.vocab_size)
             self._bitmask = bitmask.pin_memory() if self.device.type != "cpu" else bitmask
         return self.cache
 
@@ -153,11 +160,38 @@ class GrammarMasks:
         bitmask = self._bitmask
         for j, (_, g) in enumerate(rows):
             g.matcher.fill_next_token_bitmask(bitmask, j)
-        bits = bitmask[:len(rows)]
+        self._apply(logits, len(rows), None if len(rows) == len(work) else [i for i, _ in rows])
+
+    def _apply(self, logits: torch.Tensor, n: int, index: list[int] | None) -> None:
+        bits = self._bitmask[:n]
         if self.device.type != "cpu":
             bits = bits.to(self.device, non_blocking=True)  # pinned; the step's result copy waits for it
-        index = None if len(rows) == len(work) else torch.tensor([i for i, _ in rows], device=self.device)
-        apply_bitmask(logits, bits, index)
+        apply_bitmask(logits, bits, None if index is None else torch.tensor(index, device=self.device))
+
+    def mask_verified(self, logits: torch.Tensor, work: list[RowWork]) -> None:
+        """logits [V, vocab] of verifying rows' positions (row after row: its input token's, then
+        each draft's): a constrained row's position j masked by its grammar after the row's first
+        j drafts. Past a draft the grammar refuses (or a finished grammar) nothing is masked: no
+        later draft of that row can be kept."""
+        index: list[int] = []
+        first = 0
+        for w in work:
+            g = self._grammar(w)
+            if g is not None and g.active:
+                m, taken = g.matcher, 0
+                for j in range(len(w.draft) + 1):
+                    if m.is_terminated():
+                        break
+                    m.fill_next_token_bitmask(self._bitmask, len(index))
+                    index.append(first + j)
+                    if j == len(w.draft) or not m.accept_token(int(w.draft[j])):
+                        break
+                    taken += 1
+                if taken:
+                    m.rollback(taken)
+            first += len(w.draft) + 1
+        if index:
+            self._apply(logits, len(index), index)
 
     def accept(self, work: list[RowWork], ids) -> None:
         """Advance the matchers of the rows `work` with their sampled ids (device sampling):
@@ -165,7 +199,16 @@ class GrammarMasks:
         for w, token in zip(work, ids):
             g = w.state.grammar
             if g is not None:
-                g.accept(token, w.start + w.num_tokens)
+                g.accept(token, w.sample_position)
+
+    @staticmethod
+    def accept_run(w: RowWork, run: list[int]) -> None:
+        """Advance a verifying row's matcher with the tokens it kept (its accepted drafts and the
+        token after them)."""
+        g = w.state.grammar
+        if g is not None:
+            for j, token in enumerate(run):
+                g.accept(token, w.sample_position + j)
 
     def _grammar(self, w: RowWork) -> RequestGrammar | None:
         """The row's matcher, caught up to the token this row samples; None without a grammar."""
@@ -181,8 +224,8 @@ class GrammarMasks:
                 g.accept(state.token_ids[pos], pos)
         if w.is_decode and w.token != USE_RESIDENT:
             g.accept(w.token, w.start)  # host-logits mode: the id the driver sampled (a no-op if known)
-        if g.active and g.next_position != w.start + w.num_tokens:
+        if g.active and g.next_position != w.sample_position:
             log.warning("grammar matcher at position %d, row samples %d; the request is unconstrained from here",
-                        g.next_position, w.start + w.num_tokens)
+                        g.next_position, w.sample_position)
             g.active = False
         return g
