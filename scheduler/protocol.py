@@ -195,13 +195,6 @@ class WorkerSampling:
         return self.temperature == 0
 
     @property
-    def speculable(self) -> bool:
-        """Whether its decode rows may take drafted tokens: each verified position is sampled as
-        its own row (with its own logprobs, and a grammar's mask after the drafts before it),
-        which holds unless penalties count the tokens before it."""
-        return not self.has_penalties
-
-    @property
     def counts_tokens(self) -> bool:
         """Whether its penalties read the request's token counts."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1

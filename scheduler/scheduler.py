@@ -22,9 +22,8 @@ With max_concurrent_batches B > 1 (pipeline stages) steps in flight hold disjoin
 a request whose sampled token is in flight gets no decode row, and a step takes at most
 1/B of the running decodes, so B steps of about equal size keep B stages busy.
 
-With speculative decoding (num_lookahead_tokens k > 0) the decode row of a request without
-penalties (WorkerSampling.speculable) may verify up to k tokens the worker
-drafts: the row is budgeted and given blocks for 1 + k positions (fewer where max_tokens,
+With speculative decoding (num_lookahead_tokens k > 0) a request's decode row may verify up
+to k tokens the worker drafts: the row is budgeted and given blocks for 1 + k positions (fewer where max_tokens,
 max_model_len, the budget or the free blocks say so; never by preempting), and its result brings
 1 to k + 1 ids. Only then are the next positions known, so such a request sits out the steps
 dispatched while its row is in flight (others fill them); the K/V of its rejected positions is
@@ -179,8 +178,7 @@ class Scheduler:
                 prefilling.append(req)
                 continue
             outputs, pending = req.output_token_ids, req.num_inflight_samples
-            speculates = lookahead and req.worker_sampling.speculable
-            if pending and (batches > 1 or speculates):
+            if pending and (batches > 1 or lookahead):
                 continue  # in a step still in flight (whose row may have verified drafts): other requests
             n_out = len(outputs)
             n_known = len(req.prompt_token_ids) + n_out
@@ -198,7 +196,7 @@ class Scheduler:
                     break  # it was the newest: nothing after it
                 new_blocks = bm.allocate(1)
                 req.block_ids += new_blocks
-            drafts = self._lookahead(req, c, n_out, n_known, budget, new_blocks) if speculates and drafting else 0
+            drafts = self._lookahead(req, c, n_out, n_known, budget, new_blocks) if drafting else 0
             if drafts:
                 step.lookahead[len(samples)] = drafts
                 budget -= drafts

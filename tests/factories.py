@@ -144,7 +144,6 @@ class FakeRunner:
                 assert c == len(st.tokens) - 1, "decode row is not at the last sampled token"
                 assert row.token == USE_RESIDENT or row.token == st.tokens[c], "decode input is not the last token"
                 if n > 1:
-                    assert st.sampling.speculable, "lookahead for a row that cannot take drafts"
                     run, drafted = self._verify(row.slot, st, c, n)
                     if st.sampling.logprobs is not None:  # one entry per token of the run, in order
                         logprobs += [self._logprobs(len(slots), t, st.sampling.logprobs) for t in run]

@@ -164,7 +164,7 @@ class Eagle3Drafter:
         self._features = row_starts, aux
 
     def extend(self, rows: list[RowWork], known_before: dict[int, int]) -> None:
-        """After the step's tokens are recorded: run the head over each speculable row's positions
+        """After the step's tokens are recorded: run the head over each row's positions
         whose next token is known. known_before: each slot's count of known tokens before the step
         (a decode row's input must have been among them)."""
         held, self._features = self._features, None
@@ -173,7 +173,7 @@ class Eagle3Drafter:
         row_starts, aux = held
         work = []
         for w in rows:
-            if not w.state.sampling.speculable or w.slot not in row_starts:
+            if w.slot not in row_starts:
                 continue
             if w.is_decode and known_before.get(w.slot) != w.start + 1:
                 continue  # its input token is not known here: nothing to extend from

@@ -287,11 +287,11 @@ class ModelRunner:
         return result
 
     def _draft(self, rows) -> None:
-        """Drafts for the decode rows that have room for them and whose sampling allows it
-        (WorkerSampling.speculable), from the request's tokens (what the worker was sent and what it
-        sampled since): prompt lookup, the draft model, or the EAGLE-3 head."""
+        """Drafts for the decode rows that have room for them, from the request's tokens (what the
+        worker was sent and what it sampled since): prompt lookup, the draft model, or the EAGLE-3
+        head."""
         spec = self.speculative
-        eligible = [w for w in rows if w.lookahead and w.state.sampling.speculable
+        eligible = [w for w in rows if w.lookahead
                     # an input token this worker knows in place (else: no drafts)
                     and len(w.state.token_ids) + len(w.state.generated) == w.start + 1]
         if not eligible:
@@ -323,6 +323,8 @@ class ModelRunner:
             ids = self.outputs.get_rows("verify_ids", len(h), (), torch.int64)
             if logits is not None:
                 self.grammars.mask_verified(logits, v.work)  # each position after the drafts before it
+                if batch.penalties is not None:  # each position's counts with the drafts before it
+                    self.slot_sampling.penalties.count_drafts(batch.penalties, self._draft_counts(v))
                 out = self.sampler(logits, batch)
                 ids.copy_(out.token_ids)
                 v.logprobs = row_logprobs(out, batch)  # every position's that asked, kept or not
@@ -331,7 +333,23 @@ class ModelRunner:
         grid = grid.index_copy_(0, v.grid_index, ids.to(torch.int64)).view(r, k + 1)
         accepted = (grid[:, :k] == v.drafts.view(r, k)).to(torch.int64).cumprod(1).sum(1)  # [R]
         self.last_tokens.index_copy_(0, v.slots, grid.gather(1, accepted.unsqueeze(1)).squeeze(1))
+        counted = [w.state.sampling.counts_tokens for w in v.work]
+        if any(counted):  # penalties count the kept tokens in their slots, on the device
+            self.slot_sampling.penalties.record_runs(v.slots, grid, accepted,
+                                                     torch.tensor(counted, device=self.device))
         return torch.cat([grid.flatten(), accepted]).cpu().numpy()  # the verification's one host copy
+
+    def _draft_counts(self, v: Verify) -> list[int]:
+        """For the penalized verified positions (rows of the batch's penalties, in order): each
+        draft before the position, as p * V + token (PenaltyState.count_drafts)."""
+        entries, p, vocab = [], 0, self.slot_sampling.penalties.vocab_size
+        for w in v.work:
+            if not w.state.sampling.has_penalties:
+                continue
+            for j in range(len(w.draft) + 1):
+                entries += [p * vocab + t for t in w.draft[:j] if 0 <= t < vocab]
+                p += 1
+        return entries
 
     def _record_speculation(self, rows, result: StepResult,
                             step: tuple[tuple[Verify, np.ndarray] | None, np.ndarray | None]) -> None:

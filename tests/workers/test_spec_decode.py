@@ -254,6 +254,25 @@ def test_a_grammar_checks_drafted_tokens(method):
     assert sum(r.num_accepted_tokens for r in got["speculating"]) > 0
 
 
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_penalties_count_the_drafts_before_each_position(method):
+    """Requests with penalties speculate: each verified position's penalty counts include the
+    drafts before it, and the kept tokens are counted after, so the output is the one without
+    speculation (greedy and seeded sampled)."""
+    eagle = {"method": "eagle3", "model": bundled_eagle3_path(), "num_speculative_tokens": 3}
+    spec = SpeculativeConfig.from_dict(NGRAM if method == "ngram" else eagle)
+    kinds = [dict(frequency_penalty=0.6), dict(presence_penalty=0.8, repetition_penalty=1.3),
+             dict(repetition_penalty=1.2, logit_bias={13: 2.0})]
+    params = [SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, **kw) for kw in kinds] + [
+        SamplingParams(max_tokens=32, temperature=0.8, seed=4, ignore_eos=True, **kinds[0])]
+    got = {}
+    for name, s in (("plain", None), ("speculating", spec)):
+        got[name] = [Request(f"r{i}-{j}", p, sp) for i, p in enumerate(PROMPTS[:3]) for j, sp in enumerate(params)]
+        run_requests(s, got[name], depth=2)
+    assert [r.output_token_ids for r in got["speculating"]] == [r.output_token_ids for r in got["plain"]]
+    assert sum(r.num_accepted_tokens for r in got["speculating"]) > 0
+
+
 def test_an_eagle3_head_for_another_target_is_refused_by_name(tmp_path):
     from tests.workers.test_eagle3 import PUBLISHED
 

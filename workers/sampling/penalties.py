@@ -15,6 +15,9 @@ The rows come from two places that give equal PenaltyRows:
   of a request recomputed after preemption or a worker restart), so counts equal those of
   an uninterrupted run. Each step the sampled ids are scatter-added into their slots'
   counts on the device (`record`): nothing waits for the host, and only ids leave it.
+  A decode row verifying drafts (speculative decoding) samples each position as a row of its
+  own: position j's gathered counts also count the row's first j drafts (`count_drafts`), and
+  the tokens the row kept are counted in its slot afterwards (`record_runs`).
 - on the driver (host-logits mode), `PenaltyRows.build` counts each row's token history.
 
 A step whose rows have no penalties does no penalty work at all.
@@ -234,6 +237,24 @@ class PenaltyState:
             bias_ids=t["bias_ids"][:, :W].index_select(0, slots) if W else None,
             bias_values=t["bias_values"][:, :W].index_select(0, slots) if W else None,
             slots=slots)
+
+    def count_drafts(self, pen: PenaltyRows, entries: list[int]) -> None:
+        """Count drafted tokens in a step's gathered counts: `entries` are (penalized row p,
+        token) pairs flattened to p * V + token, one per draft before that row's position."""
+        if pen.counts is not None and entries:
+            idx = torch.tensor(entries, dtype=torch.int64, device=self.device)
+            pen.counts.view(-1).index_put_((idx,), self._one, accumulate=True)
+
+    def record_runs(self, slots: torch.Tensor, grid: torch.Tensor, accepted: torch.Tensor,
+                    counted: torch.Tensor) -> None:
+        """After verification: count each counted row's kept tokens, grid[r, :accepted[r] + 1]
+        (slots [R], grid [R, K] int64, accepted [R], counted [R] bool), in its slot."""
+        counts = self.tensors.get("counts")
+        if counts is None:
+            return
+        keep = (torch.arange(grid.shape[1], device=grid.device)[None, :] <= accepted[:, None]) & counted[:, None]
+        idx = (slots[:, None] * self.vocab_size + grid)[keep]
+        counts.view(-1).index_put_((idx,), self._one, accumulate=True)
 
     def record(self, pen: PenaltyRows, token_ids: torch.Tensor) -> None:
         """After sampling: count the penalized rows' sampled ids [B] in their slots, on the device."""
