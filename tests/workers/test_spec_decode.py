@@ -303,10 +303,12 @@ def test_speculation_needs_device_outputs():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_tensor_parallel_ranks_draft_alike_and_equal_one_rank_without_speculation():
-    """Prompt lookup, and the EAGLE-3 head (every rank runs it on the all-reduced features)."""
+    """Prompt lookup, the draft model and the EAGLE-3 head (each rank runs the whole draft or head,
+    the head on the all-reduced features)."""
     runner_kw = dict(block_size=4, num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=64)
     specs = [SpeculativeConfig.from_dict(NGRAM), SpeculativeConfig.from_dict(
-        {"method": "eagle3", "model": bundled_eagle3_path(), "num_speculative_tokens": 3})]
+        {"method": "draft_model", "model": bundled_draft_path(), "num_speculative_tokens": 3}),
+        SpeculativeConfig.from_dict({"method": "eagle3", "model": bundled_eagle3_path(), "num_speculative_tokens": 3})]
     ((plain, _),) = run_ranks(1, [job(runner_kw, PROMPTS, 24, scheduler={})])
     results = run_ranks(2, [job(dict(runner_kw, speculative=spec), PROMPTS, 24,
                                 scheduler={"num_lookahead_tokens": spec.num_speculative_tokens}) for spec in specs])
