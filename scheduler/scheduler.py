@@ -23,9 +23,9 @@ a request whose sampled token is in flight gets no decode row, and a step takes 
 1/B of the running decodes, so B steps of about equal size keep B stages busy.
 
 With speculative decoding (num_lookahead_tokens k > 0) a request's decode row may verify up
-to k tokens the worker drafts: the row is budgeted and given blocks for 1 + k positions (fewer where max_tokens,
-max_model_len, the budget or the free blocks say so; never by preempting), and its result brings
-1 to k + 1 ids. Only then are the next positions known, so such a request sits out the steps
+to k tokens the worker drafts: the row is budgeted and given blocks for 1 + k positions (fewer
+where max_tokens, max_model_len, the budget or the free blocks say so; never by preempting), and
+its result brings 1 to k + 1 ids. Only then are the next positions known, so such a request sits out the steps
 dispatched while its row is in flight (others fill them); the K/V of its rejected positions is
 simply overwritten later. With lookahead_below n, no row gets lookahead while n or more requests run.
 """
