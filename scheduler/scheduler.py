@@ -25,9 +25,10 @@ a request whose sampled token is in flight gets no decode row, and a step takes 
 With speculative decoding (num_lookahead_tokens k > 0) a request's decode row may verify up
 to k tokens the worker drafts: the row is budgeted and given blocks for 1 + k positions (fewer
 where max_tokens, max_model_len, the budget or the free blocks say so; never by preempting), and
-its result brings 1 to k + 1 ids. Only then are the next positions known, so such a request sits out the steps
-dispatched while its row is in flight (others fill them); the K/V of its rejected positions is
-simply overwritten later. With lookahead_below n, no row gets lookahead while n or more requests run.
+its result brings 1 to k + 1 ids. Only then are the next positions known, so such a request sits
+out the steps dispatched while its row is in flight (others fill them); the K/V of its rejected
+positions is simply overwritten later. With lookahead_below n, no row gets lookahead while n or
+more requests run, and rows pipeline as without speculation.
 """
 
 from __future__ import annotations
@@ -178,8 +179,11 @@ class Scheduler:
                 prefilling.append(req)
                 continue
             outputs, pending = req.output_token_ids, req.num_inflight_samples
-            if pending and (batches > 1 or lookahead):
-                continue  # in a step still in flight (whose row may have verified drafts): other requests
+            if pending and (batches > 1 or drafting or req.num_inflight_drafting):
+                # in a step still in flight: other requests. A row that verifies drafts brings a run of
+                # ids, so nothing after it can be planned; while drafting is off, a plain row pipelines
+                # as without speculation, and while it is on, a request waits to draft again
+                continue
             n_out = len(outputs)
             n_known = len(req.prompt_token_ids) + n_out
             if n_out + pending >= req.params.max_tokens or n_known + pending >= max_len:
@@ -199,6 +203,7 @@ class Scheduler:
             drafts = self._lookahead(req, c, n_out, n_known, budget, new_blocks) if drafting else 0
             if drafts:
                 step.lookahead[len(samples)] = drafts
+                req.num_inflight_drafting += 1
                 budget -= drafts
             # the input is the last known token, or the one still in flight
             slot = req.slot
@@ -327,6 +332,8 @@ class Scheduler:
             if position != len(req.prompt_token_ids) + len(req.output_token_ids):
                 raise RuntimeError(f"request {req.request_id!r}: token for position {position} arrived out of order")
             req.num_inflight_samples -= 1
+            if k in step.lookahead:
+                req.num_inflight_drafting -= 1
             if req.num_failures:  # it was sampled: it did not take the worker down
                 req.num_failures = 0
                 self._num_suspects -= 1
@@ -495,6 +502,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_sent_tokens = 0
         req.num_inflight_samples = 0
+        req.num_inflight_drafting = 0
         req.num_published_blocks = 0
         req.num_claimed_blocks = 0
 

@@ -3,7 +3,7 @@ and the sequences equal to running without speculation (FakeRunner drafts right 
 
 import pytest
 
-from scheduler.protocol import StepResult, pack_int32
+from scheduler.protocol import USE_RESIDENT, StepResult, pack_int32
 from scheduler.request import FinishReason
 from tests.factories import FakeRunner, assert_matches_reference, drive, make_requests, make_scheduler, reference
 
@@ -126,3 +126,5 @@ def test_no_lookahead_while_the_batch_is_at_disable_by_batch_size(depth, arrival
     assert verifying and max(verifying) < 5  # rows verify drafts only while fewer than 5 requests run
     assert any(running >= 5 for running, _ in seen)
     assert sum(r.num_draft_tokens for r in long) > 0
+    if depth > 1:  # with drafting off, a row planned while its request's last is in flight pipelines
+        assert any(running >= 5 and any(r.token == USE_RESIDENT for r in plan.rows) for running, plan in seen)
