@@ -237,10 +237,10 @@ class Eagle3Head(nn.Module):
         return self.reference_step(embeds, self.fc(features), positions, None)
 
     def reference_step(self, embeds, hidden, positions, keys_values):
-        """One pass of the layer over [B, S] inputs whose features are already combined; with
-        keys_values (K, V of earlier positions, [B, KVH, S', D]) attention also reads them (each
-        new position attends every earlier one and itself; training's unrolled drafts).
-        Returns (prenorm, logits), and the K, V it appended when keys_values is a list."""
+        """One pass of the layer over [B, S] inputs whose features are already combined: causal
+        with keys_values None; else training's unrolled drafts, keys_values the K, V of the passes
+        before ([B, KVH, S, D] each, appended to): chain i reads pass 0's keys 0..i and its own key
+        in every later pass (`_unrolled_mask`). Returns (prenorm, logits)."""
         c, layer = self.config, self.midlayer
         att = layer.self_attn
         b, s, _ = embeds.shape
@@ -259,7 +259,7 @@ class Eagle3Head(nn.Module):
         if keys_values is None:
             o = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
                                                is_causal=True, scale=1 / math.sqrt(c.head_dim))
-        else:  # the new positions see all earlier ones (every earlier pass's) and themselves
+        else:
             ks = torch.cat([*[kv[0] for kv in keys_values], k], dim=2)
             vs = torch.cat([*[kv[1] for kv in keys_values], v], dim=2)
             scores = q @ ks.repeat_interleave(rep, 1).transpose(-1, -2) / math.sqrt(c.head_dim)  # [B, H, S, S']
@@ -269,9 +269,8 @@ class Eagle3Head(nn.Module):
             keys_values.append((k, v))
         o = o.transpose(1, 2).reshape(b, s, -1)
         h2 = att.o_proj(o) + residual
-        m = layer.mlp
-        prenorm = m.down_proj(F.silu(m.gate_proj(_rms(h2, layer.post_attention_layernorm.weight, c.rms_norm_eps)))
-                              * m.up_proj(_rms(h2, layer.post_attention_layernorm.weight, c.rms_norm_eps))) + h2
+        m, n = layer.mlp, _rms(h2, layer.post_attention_layernorm.weight, c.rms_norm_eps)
+        prenorm = m.down_proj(F.silu(m.gate_proj(n)) * m.up_proj(n)) + h2
         logits = self.lm_head(_rms(prenorm, self.norm.weight, c.rms_norm_eps))
         return prenorm, logits
 
