@@ -269,8 +269,10 @@ class Eagle3Head(nn.Module):
             keys_values.append((k, v))
         o = o.transpose(1, 2).reshape(b, s, -1)
         h2 = att.o_proj(o) + residual
-        m, n = layer.mlp, _rms(h2, layer.post_attention_layernorm.weight, c.rms_norm_eps)
-        prenorm = m.down_proj(F.silu(m.gate_proj(n)) * m.up_proj(n)) + h2
+        m, w, eps = layer.mlp, layer.post_attention_layernorm.weight, c.rms_norm_eps
+        # the norm is taken once per projection: the bundled head was trained with this autograd
+        # graph, and one shared norm would sum its gradients in another order (other weights)
+        prenorm = m.down_proj(F.silu(m.gate_proj(_rms(h2, w, eps))) * m.up_proj(_rms(h2, w, eps))) + h2
         logits = self.lm_head(_rms(prenorm, self.norm.weight, c.rms_norm_eps))
         return prenorm, logits
 
