@@ -21,7 +21,7 @@ class SchedulerConfig:
     # while its last one is in flight and gives each step at most 1/max_concurrent_batches of the decodes
     max_concurrent_batches: int = 1
     # speculative decoding: the most drafted tokens a decode row may verify (0: none); such a row
-    # reserves KV and budget for them, and a request waits for its row's result before its next row
+    # reserves KV and budget for them, and its request waits for its result before its next row
     num_lookahead_tokens: int = 0
     lookahead_below: int | None = None  # speculate only while fewer requests than this run (None: always)
 

@@ -243,10 +243,6 @@ class Eagle3Drafter:
         self.num_passes += 1
         return self.head(embeds, hidden, pos, self.kv_cache, attn)
 
-    @staticmethod
-    def accepted(w: RowWork, num_accepted: int) -> None:
-        """Nothing to do: `extend` reads what was accepted from the request's known tokens."""
-
     def release(self, slot: int) -> None:
         self.position[slot] = -1
 

@@ -272,6 +272,7 @@ class ModelRunner:
         if rows:
             if self.speculative is not None:
                 self._draft(rows)
+            if self.eagle is not None:  # what each row knew before the step: the head extends from it
                 known = {w.slot: len(w.state.token_ids) + len(w.state.generated) for w in rows}
             self._set_step_threads(plan.num_tokens)
             with torch.inference_mode():

@@ -28,6 +28,7 @@ class SlotState:
     has_resident: bool = False  # last_tokens[slot] holds a token this worker sampled for it
     generated: list[int] = field(default_factory=list)  # ids it sampled since admission (when speculating)
     draft_computed: int = 0  # positions whose K/V a draft model holds (workers/draft_model.py)
+    grammar: object = None  # workers.sampling.grammar_masks.RequestGrammar once a row with a grammar samples
 
     def known_tokens(self, start: int, end: int) -> list[int]:
         """Its tokens at positions [start, end): those sent, then those sampled since."""
@@ -35,7 +36,6 @@ class SlotState:
         if end <= sent:
             return self.token_ids[start:end]
         return self.token_ids[start:] + self.generated[max(0, start - sent):end - sent]
-    grammar: object = None  # workers.sampling.grammar_masks.RequestGrammar once a row with a grammar samples
 
 
 @dataclass
