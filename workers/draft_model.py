@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from workers.draft_passes import DraftPasses
 from workers.kv_cache import KVCache
 from workers.loader import cast_model, is_random_spec, load_model, random_model
 from workers.models.qwen3 import Qwen3ForCausalLM
@@ -71,33 +72,34 @@ class DraftModel:
             positions += range(start, w.start + 1)
             seqs.append(SequenceRows(start, w.start + 1 - start, w.state.block_table))
             last.append(len(ids) - 1)
-        prev = self._pass(ids, positions, seqs, sum(s.num_tokens == 1 for s in seqs), last)  # [R]
-        columns = [prev]
-        for j in range(1, max(w.lookahead for w in rows)):  # each further draft: one token a row
-            live = [i for i, w in enumerate(rows) if w.lookahead > j]  # a subset of the last pass's
-            index = torch.tensor(live, dtype=torch.int64, device=self.device)
-            nxt = torch.full_like(prev, -1)
-            nxt[index] = self._pass(prev[index], [rows[i].start + j for i in live],
-                                    [SequenceRows(rows[i].start + j, 1, rows[i].state.block_table) for i in live],
-                                    len(live), list(range(len(live))))
-            columns.append(nxt)
-            prev = nxt
+        dev = self.device
+        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        attn = build_metadata(seqs, num_decode=sum(s.num_tokens == 1 for s in seqs), block_size=self.block_size,
+                              device=dev)
+        hidden = self._pass(torch.tensor(ids, dtype=torch.int64, device=dev), pos, attn,
+                            self.model.rotary(pos, self.model.dtype))
+        if len(last) < len(ids):
+            hidden = hidden.index_select(0, torch.tensor(last, dtype=torch.int64, device=dev))
+        columns = [self._greedy(hidden)]  # [R]
+        if max(w.lookahead for w in rows) > 1:  # the other k - 1 drafts: one single-token pass each
+            later = DraftPasses(rows, offset=0, block_size=self.block_size, device=dev)
+            cos, sin = self.model.rotary(later.positions, self.model.dtype)
+            for j, index, pos, attn in later:
+                prev = columns[-1] if index is None else columns[-1].index_select(0, index)
+                out = self._pass(prev, pos, attn, (later.slice(j, cos), later.slice(j, sin)))
+                columns.append(later.scatter(index, self._greedy(out), columns[-1]))
         grid = torch.stack(columns, 1).cpu().tolist()  # [R, k]: the drafts' one host copy
         for w, row in zip(rows, grid):
             w.draft = row[:w.lookahead]
 
-    def _pass(self, ids, positions, seqs: list[SequenceRows], num_decode: int, last: list[int]) -> torch.Tensor:
-        """One forward of the draft over `ids` (a host list or a device tensor) -> the argmax at
-        each sequence's `last` index, int64 [len(last)]."""
-        dev = self.device
-        input_ids = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        attn = build_metadata(seqs, num_decode=num_decode, block_size=self.block_size, device=dev)
-        hidden = torch.empty(len(input_ids), self.model.config.hidden_size, dtype=self.model.dtype, device=dev)
+    def _pass(self, input_ids: torch.Tensor, pos: torch.Tensor, attn, rotary) -> torch.Tensor:
+        """One forward of the draft over `input_ids` [T] at `pos` -> its hidden states [T, hidden]."""
+        hidden = torch.empty(len(input_ids), self.model.config.hidden_size, dtype=self.model.dtype, device=self.device)
         self.model.embed(input_ids, out=hidden)
-        hidden = self.model(hidden, pos, self.kv_cache, attn)  # [T, hidden]
-        hidden = hidden.index_select(0, torch.tensor(last, dtype=torch.int64, device=dev))
         self.num_passes += 1
+        return self.model(hidden, pos, self.kv_cache, attn, rotary=rotary)  # [T, hidden]
+
+    def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.greedy_ids(hidden, self.vocab_size).to(torch.int64)
 
     @staticmethod

@@ -26,6 +26,7 @@ from urllib.parse import parse_qsl
 import torch
 from safetensors import safe_open
 
+from workers.draft_passes import DraftPasses
 from workers.kv_cache import KVCache
 from workers.loader import RANDOM_PREFIX, CheckpointError, _weight_files
 from workers.models.eagle3 import Eagle3Config, Eagle3Head
@@ -196,8 +197,9 @@ class Eagle3Drafter:
         rows_t = torch.tensor(index, dtype=torch.int64, device=dev)
         features = torch.cat([a.index_select(0, rows_t) for a in aux], dim=-1)  # [N, 3 x target hidden]
         hidden = self.head.combine(features.to(self.head.dtype))
-        out = self._pass(torch.tensor(ids, dtype=torch.int64, device=dev), hidden, positions, seqs,
-                         sum(n == 1 for _, n in work))
+        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        attn = build_metadata(seqs, num_decode=sum(n == 1 for _, n in work), block_size=self.block_size, device=dev)
+        out = self._pass(torch.tensor(ids, dtype=torch.int64, device=dev), hidden, pos, attn, self.head.rotary(pos))
         slots = torch.tensor([w.slot for w, _ in work], dtype=torch.int64, device=dev)
         self.hidden.index_copy_(0, slots, out.index_select(0, torch.tensor(last, dtype=torch.int64, device=dev)))
         for w, n in work:
@@ -212,36 +214,28 @@ class Eagle3Drafter:
         dev = self.device
         slots = torch.tensor([w.slot for w in rows], dtype=torch.int64, device=dev)
         hidden = self.hidden.index_select(0, slots)  # [R, hidden]: each row's latest head output
-        prev = self.head.greedy_ids(hidden)
-        columns = [prev]
-        for j in range(1, max(w.lookahead for w in rows)):  # each further draft: one head pass a row
-            live = [i for i, w in enumerate(rows) if w.lookahead > j]  # a subset of the last pass's
-            index = torch.tensor(live, dtype=torch.int64, device=dev)
-            out = self._pass(prev.index_select(0, index), hidden.index_select(0, index),
-                             [rows[i].start + j - 1 for i in live],
-                             [SequenceRows(rows[i].start + j - 1, 1, rows[i].state.block_table) for i in live],
-                             len(live))
-            hidden = hidden.index_copy(0, index, out)
-            nxt = torch.full_like(prev, -1)
-            nxt[index] = self.head.greedy_ids(out)
-            columns.append(nxt)
-            prev = nxt
+        columns = [self.head.greedy_ids(hidden)]
+        if max(w.lookahead for w in rows) > 1:  # each further draft: one head pass a row
+            later = DraftPasses(rows, offset=-1, block_size=self.block_size, device=dev)
+            cos, sin = self.head.rotary(later.positions)
+            for j, index, pos, attn in later:
+                prev, before = (columns[-1], hidden) if index is None else \
+                    (columns[-1].index_select(0, index), hidden.index_select(0, index))
+                out = self._pass(prev, before, pos, attn, (later.slice(j, cos), later.slice(j, sin)))
+                hidden = out if index is None else hidden.index_copy(0, index, out)
+                columns.append(later.scatter(index, self.head.greedy_ids(out), columns[-1]))
         grid = torch.stack(columns, 1).cpu().tolist()  # [R, k]: the drafts' one host copy
         for w, row in zip(rows, grid):
             w.draft = row[:w.lookahead]
 
-    def _pass(self, ids: torch.Tensor, hidden: torch.Tensor, positions, seqs: list[SequenceRows],
-              num_decode: int) -> torch.Tensor:
-        dev = self.device
-        embeds = torch.empty(len(ids), self.head.config.hidden_size, dtype=self.head.dtype, device=dev)
+    def _pass(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, attn, rotary) -> torch.Tensor:
+        embeds = torch.empty(len(ids), self.head.config.hidden_size, dtype=self.head.dtype, device=self.device)
         if self.head.has_embedding:
             torch.index_select(self.head.embed_tokens.weight, 0, ids, out=embeds)
         else:
             self.target.embed(ids, out=embeds)
-        attn = build_metadata(seqs, num_decode=num_decode, block_size=self.block_size, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
         self.num_passes += 1
-        return self.head(embeds, hidden, pos, self.kv_cache, attn)
+        return self.head(embeds, hidden, pos, self.kv_cache, attn, rotary)
 
     def release(self, slot: int) -> None:
         self.position[slot] = -1

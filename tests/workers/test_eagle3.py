@@ -11,12 +11,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from workers.eagle3_drafter import load_head, random_head
+from scheduler.protocol import WorkerSampling
+from workers.eagle3_drafter import Eagle3Drafter, load_head, random_head
 from workers.kv_cache import KVCache
 from workers.loader import bundled_eagle3_path, bundled_model_path, load_model
 from workers.models.eagle3 import Eagle3Config, default_aux_layers
 from workers.ops import get_op_table
 from workers.ops.metadata import SequenceRows, build_metadata
+from workers.slot_table import RowWork, SlotState
 from workers.spec_config import SpeculativeConfig
 
 PUBLISHED = {  # the shape of a published Qwen3-8B head's config.json
@@ -162,3 +164,43 @@ def test_a_random_head_reads_layers_the_target_has(layers, want):
     head = random_head("random:eagle3?seed=1&draft_vocab=100", small, torch.float32, "cpu")
     assert head.config.layers_for(layers) == want
     assert int((head.d2t + torch.arange(100)).max()) < 256
+
+
+@pytest.mark.parametrize("ops", ["reference", "cpu"])
+def test_the_drafters_drafts_are_the_heads_unrolled_greedy_chain(target, ops):
+    """A prompt's step (the head extended over it) and the next step's drafts through
+    Eagle3Drafter, against the head's plain-torch unrolled passes as training runs them: the chain
+    from the last position, pass j at position n - 1 + j reading the draft before it."""
+    n, k = 9, 4
+    drafter = Eagle3Drafter("random:eagle3?seed=4&draft_vocab=700", target=target, ops=get_op_table("cpu", ops),
+                            dtype=torch.float32, device=torch.device("cpu"), max_slots=2)
+    drafter.allocate(num_blocks=12, block_size=4)
+    mc = target.config
+    prompt = torch.randint(0, mc.vocab_size, (n,), generator=torch.Generator().manual_seed(1)).tolist()
+    table = [7, 2, 9, 4]  # out of order, room for n + k
+    kv = KVCache(num_layers=mc.num_hidden_layers, num_blocks=12, block_size=4, num_kv_heads=mc.num_key_value_heads,
+                 head_dim=mc.head_dim, dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        hidden = torch.empty(n, mc.hidden_size)
+        target.embed(torch.tensor(prompt), out=hidden)
+        aux: list[torch.Tensor] = []
+        out = target(hidden, torch.arange(n), kv, build_metadata([SequenceRows(0, n, table)], num_decode=0,
+                                                                  block_size=4),
+                     aux_layers=drafter.aux_layers, aux_out=aux)
+        token = int(target.greedy_ids(out[-1:], mc.vocab_size)[0])  # the prompt step's sampled token
+        state = SlotState(list(prompt), n, table, WorkerSampling(), n, generated=[token])
+        drafter.hold({1: 0}, aux)
+        drafter.extend([RowWork(1, state, 0, n, None, True)], known_before={1: n})
+        row = RowWork(1, state, n, 1 + k, token, True)  # the next step: input `token`, k drafts
+        drafter.propose([row])
+
+        head = drafter.head
+        embed = target.model.embed_tokens.weight
+        tokens = torch.tensor(prompt[1:] + [token])[None]  # pass 0: position p reads token p + 1
+        hidden, kvs, want = head.fc(torch.cat(aux, -1))[None], [], []
+        for j in range(k):
+            hidden, logits = head.reference_step(embed[tokens], hidden, torch.arange(n) + j, kvs)
+            ids = logits.argmax(-1)
+            tokens = ids + head.d2t[ids]  # each chain's draft: the next pass's input
+            want.append(int(tokens[0, -1]))  # the chain from the last position
+    assert row.draft == want

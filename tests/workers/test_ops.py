@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from workers.kv_cache import KVCache
 from workers.ops import get_op_table
 from workers.ops.cpu_attention import KERNEL_CHUNK_TOKENS
-from workers.ops.metadata import SequenceRows, build_metadata
+from workers.ops.metadata import SequenceRows, build_decode_passes, build_metadata
 
 
 def available_tables() -> list[str]:
@@ -212,6 +212,26 @@ def test_paged_cpu_attention_reads_a_half_precision_pool_and_rounds_once(seed, n
     assert (err[by_kernel] <= ulp * exact[by_kernel].abs().clamp_min(2 ** -6)).all()
     reference_err = (run_attention("reference", other, seqs, d, q, k, v).float() - exact).abs()
     assert err.mean() <= reference_err.mean() * 1.05
+
+
+def test_a_drafters_passes_built_at_once_equal_each_built_alone():
+    """build_decode_passes: each pass's metadata as build_metadata makes it, its positions in order;
+    a pass of fewer rows (rows near their max_tokens) and a pass crossing a block boundary included."""
+    tables = [[3, 9, 4], [7, 1]]
+    passes = [[SequenceRows(15, 1, tables[0]), SequenceRows(6, 1, tables[1])],
+              [SequenceRows(16, 1, tables[0]), SequenceRows(7, 1, tables[1])],
+              [SequenceRows(17, 1, tables[0])]]
+    positions, metas = build_decode_passes(passes, block_size=8)
+    assert positions.tolist() == [15, 6, 16, 7, 17]
+    assert len(metas) == len(passes)
+    for seqs, got in zip(passes, metas):
+        want = build_metadata(seqs, num_decode=len(seqs), block_size=8)
+        assert (got.num_tokens, got.num_decode, got.query_lens_host, got.seq_lens_host) == \
+            (want.num_tokens, want.num_decode, want.query_lens_host, want.seq_lens_host)
+        for field in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), field
+    with pytest.raises(ValueError, match="pass 1"):
+        build_decode_passes([passes[0], [SequenceRows(3, 2, tables[1])]], block_size=8)
 
 
 def test_an_unknown_cpu_attention_backend_is_refused(monkeypatch):

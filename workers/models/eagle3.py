@@ -200,10 +200,15 @@ class Eagle3Head(nn.Module):
         """The target's three aux hidden states side by side [N, 3 x target hidden] -> [N, hidden]."""
         return self.ops.linear(features, self.handles["fc"])
 
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> RoPE's cos, sin [T, head_dim] each, in the head's dtype."""
+        return self.ops.rotary_cos_sin(positions, self.inv_freq, self.dtype)
+
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                attn: AttentionMetadata) -> torch.Tensor:
+                attn: AttentionMetadata, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """embeds [T, hidden] (token p + 1's), hidden [T, hidden] (the feature at p), positions [T]
-        -> the layer's output before the final norm [T, hidden]; writes its K/V at the positions."""
+        -> the layer's output before the final norm [T, hidden]; writes its K/V at the positions.
+        rotary: `self.rotary(positions)` where the caller has it already."""
         ops, w, layer, c = self.ops, self.handles, self.midlayer, self.config
         t = embeds.shape[0]
         e = ops.rms_norm(embeds, layer.input_layernorm.weight, c.rms_norm_eps)
@@ -211,7 +216,7 @@ class Eagle3Head(nn.Module):
         residual = h if c.norm_before_residual else hidden
         qn, kvn = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         q, k, v = ops.linear(torch.cat([e, h], dim=-1), w["qkv"]).split([qn, kvn, kvn], dim=-1)
-        cos, sin = ops.rotary_cos_sin(positions, self.inv_freq, embeds.dtype)
+        cos, sin = rotary or self.rotary(positions)
         q, k = ops.apply_rotary(q.reshape(t, c.num_attention_heads, c.head_dim),
                                 k.reshape(t, c.num_key_value_heads, c.head_dim), cos, sin)
         v = v.reshape(t, c.num_key_value_heads, c.head_dim)

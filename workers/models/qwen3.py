@@ -422,19 +422,24 @@ class Qwen3ForCausalLM(nn.Module):
     def ops(self) -> OpTable:
         return self._prepared().ops
 
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> RoPE's cos, sin [T, head_dim] each, in dtype."""
+        if self.inv_freq.dtype != torch.float32 or self.inv_freq.device != positions.device:
+            self.reset_rotary()  # a .to(dtype) cast it, or the model moved: recompute in fp32
+        return self._prepared().ops.rotary_cos_sin(positions, self.inv_freq, dtype, self.config.rope_attention_factor)
+
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 attn: AttentionMetadata, aux_layers: tuple[int, ...] = (),
-                aux_out: list[torch.Tensor] | None = None) -> torch.Tensor:
+                aux_out: list[torch.Tensor] | None = None,
+                rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """hidden [T, hidden] (embedded inputs, or the previous pipeline stage's output), positions
         [T] -> [T, hidden]: the residual stream after this stage's layers (before the final norm).
         aux_out gets the residual stream entering each of `aux_layers`, in their order (an EAGLE-3
-        head's features; layer 0's is the embedding)."""
+        head's features; layer 0's is the embedding). rotary: `self.rotary(positions)` where the
+        caller has it already (a drafter computes its passes' at once)."""
         p = self._prepared()
         ops = p.ops
-        if self.inv_freq.dtype != torch.float32 or self.inv_freq.device != hidden.device:
-            self.reset_rotary()  # a .to(dtype) cast it, or the model moved: recompute in fp32
-        cos, sin = ops.rotary_cos_sin(positions, self.inv_freq, hidden.dtype,
-                                      self.config.rope_attention_factor)  # [T, head_dim] each
+        cos, sin = rotary or self.rotary(positions, hidden.dtype)  # [T, head_dim] each
         attn = ops.attention.prepare(attn)
         x, residual = hidden, None
         taken: dict[int, torch.Tensor] = {}

@@ -80,3 +80,24 @@ def build_metadata(seqs: list[SequenceRows], *, num_decode: int, block_size: int
     slots = torch.tensor(lists.slot_mapping, dtype=torch.int64, device=device)
     packed = torch.tensor([x for p in lists.int32_parts() for x in p], dtype=torch.int32, device=device)
     return finish(lists, num_decode=num_decode, block_size=block_size, slot_mapping=slots, int32_packed=packed)
+
+
+def build_decode_passes(passes: list[list[SequenceRows]], *, block_size: int,
+                        device: torch.device | str = "cpu") -> tuple[torch.Tensor, list[AttentionMetadata]]:
+    """A drafter's single-token passes, built at once: each pass a batch of decode rows (one token a
+    sequence). Returns every pass's positions, one pass after another ([sum of rows] int64: a
+    drafter computes their rotary table once and slices it), and each pass's metadata, all from
+    two host->device copies."""
+    lists = []
+    for j, seqs in enumerate(passes):
+        if any(s.num_tokens != 1 for s in seqs):
+            raise ValueError(f"pass {j}: every sequence of a decode pass has one token")
+        lists.append(metadata_lists(seqs, block_size))
+    positions = [s.start for seqs in passes for s in seqs]
+    int64 = torch.tensor(positions + [x for m in lists for x in m.slot_mapping], dtype=torch.int64, device=device)
+    int32 = torch.tensor([x for m in lists for p in m.int32_parts() for x in p], dtype=torch.int32, device=device)
+    n = len(positions)
+    slot_parts = torch.split(int64[n:], [len(m.slot_mapping) for m in lists])
+    int32_parts = torch.split(int32, [sum(map(len, m.int32_parts())) for m in lists])
+    return int64[:n], [finish(m, num_decode=len(m.seq_lens), block_size=block_size, slot_mapping=s, int32_packed=p)
+                       for m, s, p in zip(lists, slot_parts, int32_parts)]
