@@ -156,6 +156,16 @@ class TensorParallel:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.group)
         return int(t.item())
 
+    def first_rank_value(self, value: int) -> int:
+        """Rank 0's `value` on every rank (OpTable.agree: one measured kernel choice for all)."""
+        if not self.enabled:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        if self.group is not None and torch.distributed.get_backend(self.group) != "gloo":
+            t = t.to(_group_device())
+        torch.distributed.broadcast(t, group_src=0, group=self.group)
+        return int(t.item())
+
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's x concatenated along `dim`, on every rank."""
         if not self.enabled:

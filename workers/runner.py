@@ -135,11 +135,16 @@ class ModelRunner:
         # a draft model's or head's weights load before the KV pools are sized, which count its pool
         self.drafter: DraftModel | Eagle3Drafter | None = None
         self.eagle: Eagle3Drafter | None = None  # the head that reads each step's aux hidden states
+        # every rank runs the whole drafter: its table takes rank 0's kernel choices, so all draft alike
+        # (a rank's own shards may run whatever it measured: the all-reduce gives every rank one sum)
+        if self.speculative is not None and self.speculative.method in ("draft_model", "eagle3"):
+            draft_ops = get_op_table(self.device, config.ops)
+            draft_ops.agree = parallel.first_rank_value
         if self.speculative is not None and self.speculative.method == "draft_model":
-            self.drafter = DraftModel(self.speculative.model, ops=self.ops, dtype=self.model.dtype, device=self.device,
+            self.drafter = DraftModel(self.speculative.model, ops=draft_ops, dtype=self.model.dtype, device=self.device,
                                       vocab_size=self.vocab_size, target_vocab=mc.vocab_size)
         elif self.speculative is not None and self.speculative.method == "eagle3":
-            self.drafter = self.eagle = Eagle3Drafter(self.speculative.model, target=self.model, ops=self.ops,
+            self.drafter = self.eagle = Eagle3Drafter(self.speculative.model, target=self.model, ops=draft_ops,
                                                       dtype=self.model.dtype, device=self.device,
                                                       max_slots=config.max_num_seqs)
         graph_device, use_graphs = self._allocate_kv_cache(config, parallel)

@@ -85,6 +85,18 @@ def test_the_measured_choice_is_made_once_per_shape(small_weights_qualify, monke
     assert (again.max_rows if isinstance(again, cpu_narrow.NarrowWeight) else 0) == rows
 
 
+def test_the_measured_choice_is_the_one_the_table_agrees_on(small_weights_qualify, monkeypatch):
+    """A tensor-parallel rank's drafter table takes rank 0's crossover (OpTable.agree), not its own."""
+    monkeypatch.delenv(cpu_narrow.ENV)
+    ops = get_op_table("cpu", "cpu")
+    measured = []
+    ops.agree = lambda rows: measured.append(rows) or 5  # 5: no probe's row count, so never measured here
+    handle = ops.prepare_linear(torch.randn(64, 256).bfloat16().float())
+    assert len(measured) == 1 and measured[0] in (cpu_narrow.ALL, 0, *cpu_narrow.PROBE_ROWS)
+    assert isinstance(handle, cpu_narrow.NarrowWeight) and handle.max_rows == 5
+    assert "narrow-bf16(<=5 rows)" in ops.describe()["linear"]
+
+
 @pytest.mark.parametrize("kept", ["all", "16"])
 def test_the_lm_head_fused_with_the_argmax_picks_the_logits_argmax(small_weights_qualify, monkeypatch, kept):
     """Greedy ids straight from the bf16 copy: each row's argmax over the first n outputs, ties to

@@ -154,3 +154,36 @@ def test_shapes_that_do_not_divide_are_named(world, named):
         assert part in str(e.value)
     with pytest.raises(ValueError, match="num_key_value_heads"):
         ShardedShape.of(config, _Rank(0, 4))
+
+
+def _first_rank_value(rank: int, port: int, out) -> None:
+    from workers.parallel import ParallelConfig
+
+    parallel = TensorParallel.join(ParallelConfig(rank, 2, "127.0.0.1", port, timeout_s=120), "cpu")
+    try:
+        out.put((rank, parallel.first_rank_value(10 + rank)))
+    finally:
+        parallel.close()
+
+
+@_marks
+def test_every_rank_takes_the_first_ranks_value():
+    """What a drafter's op table agrees on (OpTable.agree): rank 0's measured choice, on every rank."""
+    import multiprocessing as mp
+
+    from workers.parallel import free_port
+
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port("127.0.0.1")
+    procs = [ctx.Process(target=_first_rank_value, args=(r, port, out), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert got == {0: 10, 1: 10}
+    assert SINGLE.first_rank_value(7) == 7

@@ -158,6 +158,14 @@ class OpTable:
     attention: AttentionBackend
     quant_paths: frozenset = frozenset()  # how the quantized linears prepared so far run
 
+    @staticmethod
+    def agree(value: int) -> int:
+        """A choice this table measured while preparing weights (a kernel, a row crossover) -> the
+        one to take. The runner of a tensor-parallel rank sets it to rank 0's value, so every rank
+        runs a replicated model (a draft model, an EAGLE-3 head) with the same kernels and drafts
+        alike; measurements differ between processes, and so do the roundings of two kernels."""
+        return value
+
     def describe(self) -> dict:
         """Which paths this table runs (reported in the runner's stats())."""
         quantized = {"quantized": ",".join(sorted(self.quant_paths))} if self.quant_paths else {}

@@ -111,7 +111,7 @@ class CPUOps(ReferenceOps):
         self.narrow_rows: dict[tuple[int, int], int] = {}  # per weight shape: what choose_rows measured
         self.amx_wins: dict[tuple[int, int], bool] = {}  # per bf16 weight shape: what cpu_amx.faster measured
         self.int8 = Int8Paths(self.fused)
-        self.int4 = Int4Paths()
+        self.int4 = Int4Paths(agree=lambda value: self.agree(value))  # int8's paths all sum exactly: no need
 
     def describe(self) -> dict:
         kernels = "built" if cpu_kernels.load() is not None else f"not built: {cpu_kernels.failure()}"
@@ -169,7 +169,7 @@ class CPUOps(ReferenceOps):
             return self._narrow(None, narrow, weight, bias, ALL)
         handle = self._wide(weight, bias)
         if narrow is not None and rows is None:
-            rows = choose_rows(cpu_kernels.load(), self.linear, handle, narrow, weight.shape[0])
+            rows = self.agree(choose_rows(cpu_kernels.load(), self.linear, handle, narrow, weight.shape[0]))
             self.narrow_rows[tuple(weight.shape)] = rows
         if rows == ALL:
             return self._narrow(None, narrow, weight, bias, ALL)  # the wide copy made to measure is dropped
@@ -182,7 +182,8 @@ class CPUOps(ReferenceOps):
         kernels, shape = cpu_kernels.load(), tuple(weight.shape)
         handle = cpu_amx.pack(kernels, weight, bias)
         if cpu_amx.forced() != "all" and shape not in self.amx_wins:
-            self.amx_wins[shape] = cpu_amx.faster(kernels, self.linear, self._wide(weight, bias), handle)
+            self.amx_wins[shape] = bool(self.agree(cpu_amx.faster(kernels, self.linear, self._wide(weight, bias),
+                                                                  handle)))
         if cpu_amx.forced() == "all" or self.amx_wins[shape]:
             self.linear_paths.add("amx-bf16")
             return handle

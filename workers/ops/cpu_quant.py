@@ -157,8 +157,9 @@ class Int4Paths:
     """Int4Weight (AWQ) linears: torch's int4 kernel at few rows, a dequantized GEMM past the row
     count measured for that weight shape and dtype."""
 
-    def __init__(self) -> None:
+    def __init__(self, agree=None) -> None:
         self.rows: dict[tuple, int] = {}  # (out, in, group, dtype) -> most rows int4pack runs (0: never)
+        self.agree = agree or (lambda value: value)  # OpTable.agree: the crossover every rank takes
 
     def prepare(self, w: Int4Weight, dtype: torch.dtype):
         """-> (path name, run(x [T, in]) -> [T, out] in x.dtype, the tensors run holds, the weight
@@ -189,7 +190,7 @@ class Int4Paths:
         if forced is not None and not forced.isdecimal():
             raise ValueError(f"{INT4_ENV} must be a row count (0: never int4pack), got {forced!r}")
         if forced is None and key not in self.rows:
-            self.rows[key] = _int4_crossover(int4, dequant, w.in_features, dtype)
+            self.rows[key] = self.agree(_int4_crossover(int4, dequant, w.in_features, dtype))
         rows = int(forced) if forced is not None else self.rows[key]
         if rows == 0:
             return "dequant-gemm", dequant, []
