@@ -1,24 +1,38 @@
 """Prompt-lookup (n-gram) drafts: the tokens that followed the last earlier occurrence of the
-sequence's suffix, trying suffixes from `max_n` down to `min_n` tokens long."""
+sequence's suffix, trying suffixes from `max_n` down to `min_n` tokens long.
+
+Every earlier occurrence of a suffix ends where the sequence's last token occurs, so the search
+starts from those places (one comparison over the sequence) and extends each match backwards
+only there: a step costs one pass over the tokens plus the few places the last token recurs,
+not a window of n comparisons at every position for each n."""
 
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def propose_ngram(tokens: np.ndarray, *, min_n: int, max_n: int, k: int) -> list[int]:
     """Up to k draft ids continuing `tokens` ([N] int), or [] when no suffix of min_n..max_n
-    tokens occurred earlier. The latest earlier occurrence wins (the most recent context)."""
+    tokens occurred earlier. The longest suffix found wins, and of its occurrences the latest
+    (the most recent context)."""
     n_tokens = len(tokens)
-    if k < 1:
+    longest = min(max_n, n_tokens - 1)
+    if k < 1 or longest < min_n:
         return []
-    for n in range(min(max_n, n_tokens - 1), min_n - 1, -1):
-        suffix = tokens[n_tokens - n:]
-        # windows starting at 0 .. n_tokens - n - 1: every earlier occurrence (the suffix itself excluded)
-        windows = sliding_window_view(tokens[:n_tokens - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return tokens[start:start + k].tolist()
-    return []
+    ends = np.flatnonzero(tokens[:n_tokens - 1] == tokens[-1])  # where an earlier occurrence could end
+    if not ends.size:
+        return []
+    matched = np.ones(ends.size, dtype=np.int64)  # how many of the suffix's last tokens each end matches
+    alive = np.ones(ends.size, dtype=bool)
+    for j in range(1, longest):
+        back = ends - j
+        alive &= back >= 0
+        alive[alive] = tokens[back[alive]] == tokens[n_tokens - 1 - j]
+        if not alive.any():
+            break
+        matched += alive
+    best = int(matched.max())
+    if best < min_n:
+        return []
+    start = int(ends[np.flatnonzero(matched == best)[-1]]) + 1
+    return tokens[start:start + k].tolist()

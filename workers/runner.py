@@ -306,8 +306,7 @@ class ModelRunner:
             self.drafter.propose(eligible)
             return
         for w in eligible:
-            seq = np.array(w.state.token_ids + w.state.generated, dtype=np.int64)
-            w.draft = propose_ngram(seq, min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max,
+            w.draft = propose_ngram(w.state.known_array(), min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max,
                                     k=w.lookahead) or None
 
     def _verify(self, v: Verify, batch, hidden: torch.Tensor) -> np.ndarray:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from scheduler.checks import check_int, is_int
 from scheduler.protocol import USE_RESIDENT, NewRequest, ScheduledRow, StepPlan, WorkerSampling
 
@@ -29,6 +31,22 @@ class SlotState:
     generated: list[int] = field(default_factory=list)  # ids it sampled since admission (when speculating)
     draft_computed: int = 0  # positions whose K/V a draft model holds (workers/draft_model.py)
     grammar: object = None  # workers.sampling.grammar_masks.RequestGrammar once a row with a grammar samples
+    _array: np.ndarray | None = field(default=None, repr=False, compare=False)  # known_array's buffer (room to grow)
+    _array_len: int = field(default=0, repr=False, compare=False)  # how many of its tokens are filled in
+
+    def known_array(self) -> np.ndarray:
+        """Every known token (token_ids, then generated) as int64, without rebuilding it each step
+        (prompt lookup reads it every step): both lists only grow, so the tokens appended since the
+        last call are written after those already there."""
+        n = len(self.token_ids) + len(self.generated)
+        if self._array is None or len(self._array) < n:
+            grown = np.empty(max(n + 64, 2 * n), dtype=np.int64)
+            grown[:self._array_len] = self._array[:self._array_len] if self._array is not None else []
+            self._array = grown
+        if self._array_len < n:
+            self._array[self._array_len:n] = self.known_tokens(self._array_len, n)
+            self._array_len = n
+        return self._array[:n]
 
     def known_tokens(self, start: int, end: int) -> list[int]:
         """Its tokens at positions [start, end): those sent, then those sampled since."""

@@ -133,3 +133,17 @@ def test_a_plan_over_the_token_budget_is_refused_before_anything_changes():
         table.apply(plan)
     assert table.states == before
     assert len(make_table().apply(plan)) == 1  # without a budget the same plan applies
+
+
+def test_a_slots_known_array_follows_what_is_appended():
+    """known_array: the tokens sent then those sampled, as they grow (kept between calls)."""
+    from scheduler.protocol import WorkerSampling
+    from workers.slot_table import SlotState
+
+    state = SlotState([4, 5, 6], 3, [0], WorkerSampling(), 3)
+    assert state.known_array().tolist() == [4, 5, 6]
+    state.generated.append(9)
+    assert state.known_array().tolist() == [4, 5, 6, 9]
+    state.generated += list(range(100, 300))  # past the buffer's room: it grows
+    assert state.known_array().tolist() == [4, 5, 6, 9, *range(100, 300)]
+    assert state.known_array().tolist() == state.known_tokens(0, 204)
