@@ -39,6 +39,15 @@ def check_int(name: str, value, low: int, high: int | None = None, *, optional: 
         raise ValueError(f"{name} must be an integer {want}{' or None' if optional else ''}, got {value!r}")
 
 
+def check_positive_ints(owner, names, what: str = "") -> None:
+    """ValueError naming the first of `names` whose attribute of `owner` is not an integer >= 1
+    (a model config's sizes); `what` prefixes the name (e.g. "EAGLE-3 config ")."""
+    for name in names:
+        value = getattr(owner, name)
+        if not is_int(value) or value < 1:
+            raise ValueError(f"{what}{name} must be a positive integer, got {value!r}")
+
+
 def check_bool(name: str, value, *, optional: bool = False) -> None:
     if optional and value is None:
         return

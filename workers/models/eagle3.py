@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from scheduler.checks import check_positive_ints
 from workers.kv_cache import KVCache
 from workers.models.qwen3 import Qwen3Config, Qwen3MLP, RMSNorm, _prepare_linear
 from workers.ops.base import AttentionMetadata, OpTable
@@ -94,11 +95,9 @@ class Eagle3Config:
         return config
 
     def check(self) -> None:
-        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                     "head_dim", "vocab_size", "draft_vocab_size", "target_hidden_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"EAGLE-3 config {name} must be a positive integer, got {value!r}")
+        check_positive_ints(self, ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                   "head_dim", "vocab_size", "draft_vocab_size", "target_hidden_size"),
+                            "EAGLE-3 config ")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"EAGLE-3 config num_attention_heads {self.num_attention_heads} must be a multiple "
                              f"of num_key_value_heads {self.num_key_value_heads}")

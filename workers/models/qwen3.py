@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from scheduler.checks import check_positive_ints
 from workers.kv_cache import KVCache
 from workers.models.qwen3_moe import Qwen3SparseMoeBlock
 from workers.models.rope import RopeConfig
@@ -95,11 +96,8 @@ class Qwen3Config:
         return not all(self.is_sparse(i) for i in range(self.num_hidden_layers))
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                   "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -114,10 +112,7 @@ class Qwen3Config:
         if not isinstance(self.num_experts, int) or isinstance(self.num_experts, bool) or self.num_experts < 0:
             raise ValueError(f"num_experts must be a non-negative integer, got {self.num_experts!r}")
         if self.is_moe:
-            for name in ("num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
-                value = getattr(self, name)
-                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                    raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_positive_ints(self, ("num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"))
             if self.num_experts_per_tok > self.num_experts:
                 raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be at most "
                                  f"num_experts ({self.num_experts})")
