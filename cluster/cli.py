@@ -20,7 +20,7 @@ from cluster.openai.http_limits import (
     DEFAULT_TIMEOUT_KEEP_ALIVE_S,
     HttpLimits,
 )
-from cluster.openai.serving_config import DEFAULT_MAX_BODY_BYTES, ServingConfig, served_model_name
+from cluster.openai.serving_config import DEFAULT_MAX_BODY_BYTES, SERVE_INGRESS_MODES, ServingConfig, served_model_name
 from workers.runner_config import QUANTIZATIONS
 
 log = logging.getLogger("raylm")
@@ -192,6 +192,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if serving.http_process == "engine" and (a.address or "").startswith("ray://"):
         raise ValueError(f"--frontend engine serves HTTP from the engine actor on this node, which a Ray Client "
                          f"address ({a.address}) does not make part of the cluster; use --frontend process")
+    if a.engines is not None and a.serve_proxy == "haproxy":
+        if a.address != "local":
+            log.warning("--serve-proxy haproxy: a Ray this command joins serves through HAProxy only if it was "
+                        "started with RAY_SERVE_ENABLE_HA_PROXY=1 in its environment")
+        os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"  # before Ray starts: its Serve controller reads it
     cluster.ensure_ray(a.address)
     if a.engines is not None:
         return _serve_with_ray_serve(a, cfg, serving)
@@ -271,7 +276,7 @@ def _serve_with_ray_serve(a, cfg, serving: ServingConfig) -> int:
     app = build_openai_app(cfg, num_engines=a.engines, autoscaling_config=autoscaling,
                            served_model_name=serving.model_names[0], api_key=serving.api_key,
                            metrics_without_auth=serving.metrics_without_auth, max_body_bytes=serving.max_body_bytes,
-                           access_log=serving.access_log)
+                           access_log=serving.access_log, ingress=a.serve_ingress)
     if _serve_running():
         log.warning("Ray Serve already runs on this cluster: its HTTP proxies keep the host and port they have; "
                     "--host %s --port %d do not apply", serving.host, serving.port)
@@ -414,6 +419,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "HTTP proxy (requests routed by cached prefix, then load); default: one engine, no Serve")
     h.add_argument("--max-engines", type=int, default=None, metavar="M",
                    help="with --engines N: let Serve's autoscaler run N to M engines on ongoing requests")
+    h.add_argument("--serve-proxy", choices=("python", "haproxy"), default="python",
+                   help="with --engines: Serve's HTTP proxy, its Python one (Serve's default) or HAProxy "
+                        "(RAY_SERVE_ENABLE_HA_PROXY=1, set here for the Ray this command starts; a cluster "
+                        "started with `ray start` needs it in that environment)")
+    h.add_argument("--serve-ingress", choices=SERVE_INGRESS_MODES, default="deployment",
+                   help="with --engines: 'deployment' (default), an OpenAI ingress deployment in front of the "
+                        "engines, which routes by cached prefix and retries a request an engine lost before its "
+                        "first token; 'direct', each engine serves HTTP itself, one hop less, load-balanced by the "
+                        "proxy, without either (docs/architecture.md)")
     a.add_argument("--frontend", choices=("engine", "process"), default="engine",
                    help="where the HTTP server runs: 'engine' (the default), inside the engine actor's process, "
                         "no channel between them; 'process', in this process, a frontend of the engine over "

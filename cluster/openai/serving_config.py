@@ -20,6 +20,8 @@ def served_model_name(model: str | None) -> str:
 
 
 HTTP_PROCESSES = ("engine", "process")  # where the server runs: the engine actor's process, or the CLI's own
+# under Ray Serve (cluster/serve/deployments.py): an OpenAI ingress deployment before the engines, or none
+SERVE_INGRESS_MODES = ("deployment", "direct")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """raylm as a Ray Serve application: OpenAI routes in front of engines that scale out.
 
-Two deployments:
+Two deployments (`ingress="deployment"`, the default):
 
 - "RaylmEngine" (cluster/serve/engine_server.py): each Serve replica is one raylm engine with
   its own workers, placed together: `placement_group_bundles` holds a bundle per worker rank
@@ -11,6 +11,14 @@ Two deployments:
 - "OpenAIIngress": the same HTTP app `raylm serve` runs (cluster/openai/app.py: routes,
   streaming, errors, API key, body limits) over an LLMHandle whose engine is a ServeEngine
   (cluster/serve/serve_engine.py), behind Serve's HTTP proxy.
+
+With `ingress="direct"` there is one: each engine replica is the HTTP ingress itself
+(DirectEngineServer: the OpenAI app over its own engine), so a request crosses no ingress replica
+and its stream no extra process. What that gives up: Serve's proxy balances the engines by load
+alone (under HAProxy, HAProxy's algorithm; the PrefixAwareRouter sees no prompt there), and a
+request whose engine dies fails with it instead of being retried elsewhere. Serve's HAProxy
+ingress (RAY_SERVE_ENABLE_HA_PROXY=1 where Ray starts; `raylm serve --serve-proxy haproxy`)
+serves either form in place of its Python proxy (docs/benchmarks.md measures each).
 
 `build_openai_app(engine_config, ...)` is the Python builder; `build_app(args)` is the same for
 `serve run` and Serve config files (deploy/serve.yaml); `raylm serve --engines N` runs it.
@@ -25,9 +33,14 @@ from ray.serve.config import RequestRouterConfig
 
 from cluster.config import EngineConfig
 from cluster.core.placement import worker_resources
-from cluster.openai.serving_config import DEFAULT_MAX_BODY_BYTES
+from cluster.openai.serving_config import DEFAULT_MAX_BODY_BYTES, SERVE_INGRESS_MODES
 from cluster.openai.serving_config import served_model_name as default_model_name
-from cluster.serve.engine_server import DEFAULT_STREAM_INTERVAL_MS, EngineServer, check_stream_interval_ms
+from cluster.serve.engine_server import (
+    DEFAULT_STREAM_INTERVAL_MS,
+    DirectEngineServer,
+    EngineServer,
+    check_stream_interval_ms,
+)
 from cluster.serve.prefix_router import PrefixAwareRouter
 
 ENGINE_DEPLOYMENT = "RaylmEngine"
@@ -76,14 +89,15 @@ def build_openai_app(engine_config: EngineConfig | dict, *, num_engines: int = 1
                      api_key: str | None = None,
                      metrics_without_auth: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                      max_ongoing_requests: int | None = None, imbalanced_threshold: int | None = None,
-                     access_log: bool = False, stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS):
+                     access_log: bool = False, stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS,
+                     ingress: str = "deployment"):
     """The Serve application: `num_engines` engines (or `autoscaling_config`, Serve's
     own keys: min_replicas, max_replicas, target_ongoing_requests, ...) behind one ingress.
     `max_ongoing_requests` per engine defaults to twice what its batches hold (the rest wait in
     Serve's queue, for whichever engine frees up or starts first). `access_log`: Serve's log line
     per HTTP request (the engine deployment never logs each call: one per request costs its CPU).
     `stream_interval_ms`: how long an engine holds a stream's deltas to send them as one item
-    (cluster/serve/engine_server.py)."""
+    (cluster/serve/engine_server.py). `ingress`: "deployment" or "direct" (above)."""
     cfg = engine_config_for_serve(engine_config)
     if isinstance(num_engines, bool) or not isinstance(num_engines, int) or num_engines < 1:
         raise ValueError(f"num_engines must be an integer >= 1, got {num_engines!r}")
@@ -91,6 +105,8 @@ def build_openai_app(engine_config: EngineConfig | dict, *, num_engines: int = 1
         raise ValueError(f"autoscaling_config must be a mapping of Serve's autoscaling keys, got "
                          f"{autoscaling_config!r}")
     check_stream_interval_ms(stream_interval_ms)
+    if ingress not in SERVE_INGRESS_MODES:
+        raise ValueError(f"ingress must be one of {', '.join(SERVE_INGRESS_MODES)}, got {ingress!r}")
     batch = cfg.max_num_seqs * cfg.num_replicas
     if max_ongoing_requests is None:
         max_ongoing_requests = 2 * batch
@@ -102,7 +118,9 @@ def build_openai_app(engine_config: EngineConfig | dict, *, num_engines: int = 1
         router_kwargs["imbalanced_threshold"] = imbalanced_threshold
     scaling = ({"autoscaling_config": {"target_ongoing_requests": batch, **autoscaling_config}}
                if autoscaling_config is not None else {"num_replicas": num_engines})
-    engine = serve.deployment(EngineServer).options(
+    model = served_model_name or default_model_name(cfg.model)
+    direct = ingress == "direct"
+    engine = serve.deployment(serve.ingress()(DirectEngineServer) if direct else EngineServer).options(
         name=ENGINE_DEPLOYMENT,
         placement_group_bundles=engine_bundles(cfg),
         # pipeline stages may need nodes of their own: packed where they fit, spread where not
@@ -112,24 +130,27 @@ def build_openai_app(engine_config: EngineConfig | dict, *, num_engines: int = 1
         graceful_shutdown_timeout_s=ENGINE_GRACEFUL_SHUTDOWN_S,
         health_check_period_s=5,
         health_check_timeout_s=30,
-        logging_config={"enable_access_log": False},
-        request_router_config=RequestRouterConfig(request_router_class=PrefixAwareRouter,
-                                                  request_router_kwargs=router_kwargs),
+        logging_config={"enable_access_log": direct and bool(access_log)},  # the HTTP ingress's lines only
+        **({} if direct else {"request_router_config": RequestRouterConfig(
+            request_router_class=PrefixAwareRouter, request_router_kwargs=router_kwargs)}),
         **scaling,
-    ).bind(cfg.to_dict(), stream_interval_ms)
-    model = served_model_name or default_model_name(cfg.model)
-    ingress = serve.deployment(OpenAIIngress).options(
+    )
+    if direct:
+        return engine.bind(cfg.to_dict(), stream_interval_ms, [model], api_key, metrics_without_auth, max_body_bytes)
+    front = serve.deployment(OpenAIIngress).options(
         name=INGRESS_DEPLOYMENT, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS, logging_config={"enable_access_log": bool(access_log)},
     )
-    return ingress.bind(engine, [model], api_key, metrics_without_auth, max_body_bytes)
+    return front.bind(engine.bind(cfg.to_dict(), stream_interval_ms), [model], api_key, metrics_without_auth,
+                      max_body_bytes)
 
 
 _APP_KEYS = ("num_engines", "autoscaling_config", "served_model_name", "api_key", "metrics_without_auth",
-             "max_body_bytes", "max_ongoing_requests", "imbalanced_threshold", "access_log", "stream_interval_ms")
+             "max_body_bytes", "max_ongoing_requests", "imbalanced_threshold", "access_log", "stream_interval_ms",
+             "ingress")
 
 
-_TEXT_KEYS = ("model", "served_model_name", "api_key")
+_TEXT_KEYS = ("model", "served_model_name", "api_key", "ingress")
 
 
 def _scalar(text: str):

@@ -28,6 +28,7 @@ import asyncio
 
 import cluster.remote.messages as messages
 from cluster.config import EngineConfig
+from cluster.openai.serving_config import DEFAULT_MAX_BODY_BYTES
 from cluster.outputs import StreamDelta
 from cluster.remote.engine_calls import EngineCalls
 
@@ -75,3 +76,27 @@ class EngineServer(EngineCalls):
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+class DirectEngineServer(EngineServer):
+    """An engine replica that is also the HTTP ingress (`ingress="direct"`): the OpenAI app runs
+    in the replica over its own engine, as in `raylm serve`'s one process, and Serve's HAProxy
+    ingress forwards each connection straight to it (no Python proxy, no ingress replica relaying
+    the stream). Serve wraps it with `serve.ingress()`; its ASGI app is built after the engine
+    has started."""
+
+    async def __init__(self, config: dict, stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS,
+                       model_names: tuple[str, ...] = (), api_key: str | None = None,
+                       metrics_without_auth: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        from cluster.handle import LLMHandle
+        from cluster.openai.app import ServerState
+
+        await super().__init__(config, stream_interval_ms)
+        self.state = ServerState(list(model_names), api_key, metrics_without_auth)
+        self.state.handle = LLMHandle(self.engine)
+        self.max_body_bytes = max_body_bytes
+
+    def __serve_build_asgi_app__(self):
+        from cluster.openai.app import build_app
+
+        return build_app(self.state, self.max_body_bytes)

@@ -33,24 +33,41 @@ def wait_healthy(proc, log, base: str) -> None:
     pytest.fail(f"never healthy\n{log_tail(log)}")
 
 
-def test_raylm_serve_with_engines_serves_until_interrupted(tmp_path):
+def haproxy_pids(session: int) -> list[int]:
+    """The HAProxy processes in a process session (Serve's HAProxy ingress runs the bundled binary)."""
+    out = subprocess.run(["ps", "-eo", "pid=,sess=,args="], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines()
+            if line.split()[1] == str(session) and "haproxy" in line.split(None, 2)[2].split()[0]]
+
+
+@pytest.mark.parametrize("proxy,ingress", [("python", "deployment"), ("haproxy", "direct")])
+def test_raylm_serve_with_engines_serves_until_interrupted(tmp_path, proxy, ingress):
     port, key = free_port(), "k-serve"
     log = open(tmp_path / "serve.log", "w+")
+    # HAProxy's stats and metrics listeners on free ports, not its fixed defaults another Serve may hold
+    ports = {"RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port())}
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", "--engines", "1", "--address", "local", "--port", str(port),
-         "--num-kv-blocks", "64", "--max-num-seqs", "8", "--disable-access-log"],
-        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, RAYLM_API_KEY=key, PYTHONUNBUFFERED="1"),
+         "--num-kv-blocks", "64", "--max-num-seqs", "8", "--disable-access-log", "--serve-proxy", proxy,
+         "--serve-ingress", ingress],
+        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, RAYLM_API_KEY=key, PYTHONUNBUFFERED="1", **ports),
         start_new_session=True)
     try:
         base = f"http://127.0.0.1:{port}"
         wait_healthy(proc, log, base)  # Serve's proxy answers (404, 503) before the application is up
+        assert bool(haproxy_pids(proc.pid)) == (proxy == "haproxy")
         client = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
         out = client.completions.create(model="tiny-qwen3", prompt="北京故宫是", max_tokens=8, temperature=0)
         assert out.choices[0].text and out.usage.completion_tokens >= 1
+        chunks = list(client.completions.create(model="tiny-qwen3", prompt="北京故宫是", max_tokens=8, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == out.choices[0].text  # streamed the same
+        assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0).models.list()
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=120) == 0, log_tail(log)
+        assert not haproxy_pids(proc.pid)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -89,6 +89,8 @@ def test_build_app_names_bad_options():
         build_app({"autoscaling_config": "lots"})
     with pytest.raises(ValueError, match="stream_interval_ms must be"):
         build_app({"stream_interval_ms": "-5"})
+    with pytest.raises(ValueError, match="ingress must be one of deployment, direct, got 'proxy'"):
+        build_app({"ingress": "proxy"})
 
 
 def test_the_serve_config_file_builds_its_application():
