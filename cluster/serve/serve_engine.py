@@ -47,6 +47,10 @@ class ServeEngine(ClientEngine):
         self._calls: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Task]] = {}
         self._lock = threading.Lock()
         self._own_loop: asyncio.AbstractEventLoop | None = None  # for blocking callers' requests
+        # the loop this was made on (the ingress replica's), where Serve may run the handle's router:
+        # then only a coroutine on it may wait for a call (RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0,
+        # part of RAY_SERVE_THROUGHPUT_OPTIMIZED), so blocking callers' calls are awaited there
+        self._home = _running_loop()
         self.retries = 0  # requests sent again after their engine went away before a token
 
     # ---- requests ----
@@ -131,8 +135,15 @@ class ServeEngine(ClientEngine):
 
     # ---- the rest: one engine answers (Serve picks it) ----
     def _ask(self, method: str, *args):
+        """One engine's answer to `method`, for a blocking caller (never on the home loop itself)."""
+        async def ask():
+            return await getattr(self._handle, method).remote(*args)
+
+        loop = self._home or self._blocking_loop()
+        if _running_loop() is loop:
+            raise RuntimeError(f"ServeEngine.{method} blocks: call it from a thread, not from its event loop")
         try:
-            return getattr(self._handle, method).remote(*args).result()
+            return asyncio.run_coroutine_threadsafe(ask(), loop).result()
         except Exception as e:
             raise _cause(e) from None
 

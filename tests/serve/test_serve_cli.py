@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 
+import httpx
 import openai
 import pytest
 
@@ -40,12 +41,16 @@ def haproxy_pids(session: int) -> list[int]:
             if line.split()[1] == str(session) and "haproxy" in line.split(None, 2)[2].split()[0]]
 
 
-@pytest.mark.parametrize("proxy,ingress", [("python", "deployment"), ("haproxy", "direct")])
-def test_raylm_serve_with_engines_serves_until_interrupted(tmp_path, proxy, ingress):
+@pytest.mark.parametrize("proxy,ingress,optimized", [("python", "deployment", False), ("haproxy", "direct", False),
+                                                     ("haproxy", "deployment", True)])
+def test_raylm_serve_with_engines_serves_until_interrupted(tmp_path, proxy, ingress, optimized):
+    """Each front door; `optimized`: Ray's RAY_SERVE_THROUGHPUT_OPTIMIZED, whose handles refuse to
+    block inside a replica (the ingress's /health and /metrics ask an engine from a thread)."""
     port, key = free_port(), "k-serve"
     log = open(tmp_path / "serve.log", "w+")
     # HAProxy's stats and metrics listeners on free ports, not its fixed defaults another Serve may hold
-    ports = {"RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port())}
+    ports = {"RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+             "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1" if optimized else "0"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", "--engines", "1", "--address", "local", "--port", str(port),
          "--num-kv-blocks", "64", "--max-num-seqs", "8", "--disable-access-log", "--serve-proxy", proxy,
@@ -65,6 +70,8 @@ def test_raylm_serve_with_engines_serves_until_interrupted(tmp_path, proxy, ingr
         assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0).models.list()
+        metrics = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        assert metrics.status_code == 200 and b"raylm_" in metrics.content
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=120) == 0, log_tail(log)
         assert not haproxy_pids(proc.pid)
