@@ -34,4 +34,14 @@ for r in $(seq 1 "$ROUNDS"); do
   RATIOS+=("$(python3 -c "print(f'{$a / $b:.2f}')")")
   echo "round $r: A ${TREE_A:-.} ${ARGS_A:-(defaults)} $a, B ${TREE_B:-.} ${ARGS_B:-(defaults)} $b out tok/s: A/B ${RATIOS[-1]}"
 done
-python3 -c "import statistics, sys; print(f'A/B median over {len(sys.argv) - 1} rounds: {statistics.median(map(float, sys.argv[1:])):.2f}x')" "${RATIOS[@]}"
+# the median, and the order-balanced ratio: whichever server goes first in a round measured faster here,
+# so the rounds where A went first and those where B did are averaged apart, then together (geometric)
+python3 -c "
+import math, statistics, sys
+r = list(map(float, sys.argv[1:]))
+print(f'A/B median over {len(r)} rounds: {statistics.median(r):.2f}x')
+if len(r) > 1:
+    first, second = r[0::2], r[1::2]  # A went first in odd rounds
+    g = lambda v: math.exp(sum(map(math.log, v)) / len(v))
+    print(f'A/B balanced: {math.sqrt(g(first) * g(second)):.2f}x (A first {g(first):.2f}x, B first {g(second):.2f}x)')
+" "${RATIOS[@]}"
