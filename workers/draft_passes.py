@@ -31,9 +31,6 @@ class DraftPasses:
             self.bounds.append(self.bounds[-1] + len(live))
         self.num_rows = len(rows)
 
-    def __len__(self) -> int:
-        return len(self.live)
-
     def __iter__(self):
         """(j, index, positions, metadata) of each pass: index None when every row is live, else
         the live rows' places among all rows (int64, on the device)."""

@@ -148,22 +148,21 @@ class TensorParallel:
 
     def all_reduce_min(self, value: int) -> int:
         """The smallest of each rank's `value` (e.g. KV blocks that fit on every rank)."""
-        if not self.enabled:
-            return value
-        t = torch.tensor([value], dtype=torch.int64)
-        if self.group is not None and torch.distributed.get_backend(self.group) != "gloo":
-            t = t.to(_group_device())
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.group)
-        return int(t.item())
+        return self._int_collective(value, lambda t: torch.distributed.all_reduce(
+            t, op=torch.distributed.ReduceOp.MIN, group=self.group))
 
     def first_rank_value(self, value: int) -> int:
         """Rank 0's `value` on every rank (OpTable.agree: one measured kernel choice for all)."""
+        return self._int_collective(value, lambda t: torch.distributed.broadcast(t, group_src=0, group=self.group))
+
+    def _int_collective(self, value: int, op) -> int:
+        """op over a one-int tensor on the group's device (a host one for gloo); identity on one rank."""
         if not self.enabled:
             return value
         t = torch.tensor([value], dtype=torch.int64)
         if self.group is not None and torch.distributed.get_backend(self.group) != "gloo":
             t = t.to(_group_device())
-        torch.distributed.broadcast(t, group_src=0, group=self.group)
+        op(t)
         return int(t.item())
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
