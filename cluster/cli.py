@@ -276,7 +276,8 @@ def _serve_with_ray_serve(a, cfg, serving: ServingConfig) -> int:
     app = build_openai_app(cfg, num_engines=a.engines, autoscaling_config=autoscaling,
                            served_model_name=serving.model_names[0], api_key=serving.api_key,
                            metrics_without_auth=serving.metrics_without_auth, max_body_bytes=serving.max_body_bytes,
-                           access_log=serving.access_log, ingress=a.serve_ingress)
+                           access_log=serving.access_log, ingress=a.serve_ingress,
+                           gil_switch_interval_ms=a.gil_switch_interval_ms)
     if _serve_running():
         log.warning("Ray Serve already runs on this cluster: its HTTP proxies keep the host and port they have; "
                     "--host %s --port %d do not apply", serving.host, serving.port)

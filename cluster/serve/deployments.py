@@ -31,7 +31,7 @@ import dataclasses
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from cluster.config import EngineConfig
+from cluster.config import DEFAULT_GIL_SWITCH_INTERVAL_MS, EngineConfig, check_gil_switch_interval_ms
 from cluster.core.placement import worker_resources
 from cluster.openai.serving_config import DEFAULT_MAX_BODY_BYTES, SERVE_INGRESS_MODES
 from cluster.openai.serving_config import served_model_name as default_model_name
@@ -90,14 +90,17 @@ def build_openai_app(engine_config: EngineConfig | dict, *, num_engines: int = 1
                      metrics_without_auth: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                      max_ongoing_requests: int | None = None, imbalanced_threshold: int | None = None,
                      access_log: bool = False, stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS,
-                     ingress: str = "deployment"):
+                     ingress: str = "deployment",
+                     gil_switch_interval_ms: float | None = DEFAULT_GIL_SWITCH_INTERVAL_MS):
     """The Serve application: `num_engines` engines (or `autoscaling_config`, Serve's
     own keys: min_replicas, max_replicas, target_ongoing_requests, ...) behind one ingress.
     `max_ongoing_requests` per engine defaults to twice what its batches hold (the rest wait in
     Serve's queue, for whichever engine frees up or starts first). `access_log`: Serve's log line
     per HTTP request (the engine deployment never logs each call: one per request costs its CPU).
     `stream_interval_ms`: how long an engine holds a stream's deltas to send them as one item
-    (cluster/serve/engine_server.py). `ingress`: "deployment" or "direct" (above)."""
+    (cluster/serve/engine_server.py). `ingress`: "deployment" or "direct" (above).
+    `gil_switch_interval_ms`: each engine process's sys.setswitchinterval, as `raylm serve`'s (None:
+    Python's 5 ms)."""
     cfg = engine_config_for_serve(engine_config)
     if isinstance(num_engines, bool) or not isinstance(num_engines, int) or num_engines < 1:
         raise ValueError(f"num_engines must be an integer >= 1, got {num_engines!r}")
@@ -105,6 +108,7 @@ def build_openai_app(engine_config: EngineConfig | dict, *, num_engines: int = 1
         raise ValueError(f"autoscaling_config must be a mapping of Serve's autoscaling keys, got "
                          f"{autoscaling_config!r}")
     check_stream_interval_ms(stream_interval_ms)
+    check_gil_switch_interval_ms(gil_switch_interval_ms)
     if ingress not in SERVE_INGRESS_MODES:
         raise ValueError(f"ingress must be one of {', '.join(SERVE_INGRESS_MODES)}, got {ingress!r}")
     batch = cfg.max_num_seqs * cfg.num_replicas
@@ -136,18 +140,19 @@ def build_openai_app(engine_config: EngineConfig | dict, *, num_engines: int = 1
         **scaling,
     )
     if direct:
-        return engine.bind(cfg.to_dict(), stream_interval_ms, [model], api_key, metrics_without_auth, max_body_bytes)
+        return engine.bind(cfg.to_dict(), stream_interval_ms, gil_switch_interval_ms, [model], api_key,
+                           metrics_without_auth, max_body_bytes)
     front = serve.deployment(OpenAIIngress).options(
         name=INGRESS_DEPLOYMENT, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS, logging_config={"enable_access_log": bool(access_log)},
     )
-    return front.bind(engine.bind(cfg.to_dict(), stream_interval_ms), [model], api_key, metrics_without_auth,
-                      max_body_bytes)
+    return front.bind(engine.bind(cfg.to_dict(), stream_interval_ms, gil_switch_interval_ms), [model], api_key,
+                      metrics_without_auth, max_body_bytes)
 
 
 _APP_KEYS = ("num_engines", "autoscaling_config", "served_model_name", "api_key", "metrics_without_auth",
              "max_body_bytes", "max_ongoing_requests", "imbalanced_threshold", "access_log", "stream_interval_ms",
-             "ingress")
+             "ingress", "gil_switch_interval_ms")
 
 
 _TEXT_KEYS = ("model", "served_model_name", "api_key", "ingress")

@@ -25,9 +25,10 @@ cannot recover by itself and leaves one alone while it restarts a worker.
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import cluster.remote.messages as messages
-from cluster.config import EngineConfig
+from cluster.config import DEFAULT_GIL_SWITCH_INTERVAL_MS, EngineConfig
 from cluster.openai.serving_config import DEFAULT_MAX_BODY_BYTES
 from cluster.outputs import StreamDelta
 from cluster.remote.engine_calls import EngineCalls
@@ -41,10 +42,13 @@ def check_stream_interval_ms(value) -> None:
 
 
 class EngineServer(EngineCalls):
-    async def __init__(self, config: dict, stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS):
+    async def __init__(self, config: dict, stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS,
+                       gil_switch_interval_ms: float | None = DEFAULT_GIL_SWITCH_INTERVAL_MS):
         from cluster.core.engine import LocalEngine
 
         check_stream_interval_ms(stream_interval_ms)
+        if gil_switch_interval_ms is not None:  # the step loops share the GIL with Serve's event loop, as in
+            sys.setswitchinterval(gil_switch_interval_ms / 1000)  # raylm serve's engine actor (engine_actor.py)
         self.stream_interval_s = stream_interval_ms / 1000
         self.engine = LocalEngine(EngineConfig(**config))
         await asyncio.get_running_loop().run_in_executor(None, self.engine.start)
@@ -86,12 +90,13 @@ class DirectEngineServer(EngineServer):
     has started."""
 
     async def __init__(self, config: dict, stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS,
+                       gil_switch_interval_ms: float | None = DEFAULT_GIL_SWITCH_INTERVAL_MS,
                        model_names: tuple[str, ...] = (), api_key: str | None = None,
                        metrics_without_auth: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         from cluster.handle import LLMHandle
         from cluster.openai.app import ServerState
 
-        await super().__init__(config, stream_interval_ms)
+        await super().__init__(config, stream_interval_ms, gil_switch_interval_ms)
         self.state = ServerState(list(model_names), api_key, metrics_without_auth)
         self.state.handle = LLMHandle(self.engine)
         self.max_body_bytes = max_body_bytes
