@@ -23,8 +23,9 @@ def expected():
     return hf_greedy_text(PROMPTS, N)
 
 
-def test_killed_worker_is_replaced_and_outputs_are_unchanged(ray_session, expected):
+def test_killed_worker_is_replaced_and_outputs_are_unchanged(ray_session, faulty_workers, expected):
     with cluster.launch(num_kv_blocks=64, threads_per_worker=1) as llm:
+        arm_fault(llm, "sleep", after_steps=3, seconds=30)  # every request is still running when the kill lands
         t, box = generate_in_background(llm, PROMPTS, GREEDY)
         wait_for_tokens(llm, llm.stats()["generated_tokens"] + 3)
         ray_session.kill(llm.engine.replicas[0].worker, no_restart=True)
