@@ -3,12 +3,15 @@ float checkpoint and its compressed-tensors W8A8 copy (`raylm quantize`, written
 the same requests to every contender, greedy, taking turns in one run.
 
     PYTHONPATH=. python benchmarks/bench_quant.py --checkpoint DIR [--num-requests 64]
-        [--input-len 42:251] [--output-len 34:128] [--dtypes float32,bfloat16] [--no-vllm]
+        [--input-len 42:251] [--output-len 34:128] [--dtypes float32,bfloat16] [--no-vllm] [--rounds 1]
 
 Contenders: raylm's bare step loop (ModelRunner + Scheduler in this process, what a worker runs)
 on the float checkpoint in float32, and on the W8A8 copy in each of --dtypes (the compute dtype of
 everything but the int8 GEMMs); vLLM (cluster/bench/vllm_peer.py, its venv by --peers-venv) on the
-W8A8 copy in the dtype it computes in on this CPU, and on the float checkpoint in float32. Prints
+W8A8 copy in the dtype it computes in on this CPU, and on the float checkpoint in float32. With
+--rounds N the W8A8 contenders take turns N times (the order reversed every other round, vLLM's
+engine kept up between its runs) and their medians are the figures: on a host whose speed drifts
+from minute to minute, one run each compares two different moments. Prints
 each figure and the issue's ratios, how many greedy sequences and tokens raylm's W8A8 shares with
 vLLM's, the weight bytes each raylm run holds against the float checkpoint's parameters in fp32,
 and the int8 multiply-adds per second the decoder GEMMs reached. A random spec is saved as DIR
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import tempfile
 import time
 
@@ -40,6 +44,7 @@ def main() -> None:
                          "has bf16 matmuls)")
     ap.add_argument("--w8a8", default=None, help="where the W8A8 copy is (written once; default DIR-w8a8)")
     ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--rounds", type=int, default=1, help="turns of the W8A8 contenders (medians are the figures)")
     a = ap.parse_args()
     save_checkpoint(a.model, a.checkpoint)
     w8a8 = a.w8a8 or a.checkpoint.rstrip("/") + "-w8a8"
@@ -57,16 +62,44 @@ def main() -> None:
                           a.max_num_batched_tokens, a.seed)
 
     figs, outs, held = {}, {}, {}
-    runs = [("raylm fp32", a.checkpoint, "float32")] + [(f"raylm w8a8 {d}", w8a8, d) for d in dtypes]
-    for name, path, dtype in runs:
+
+    def raylm(name, path, dtype):
         fig, outs[name] = run_bare(load_model(path, dtype), spec(path, dtype), wl)
-        figs[name], held[name] = fig["output_tok_s"], weight_bytes(path, dtype)
-        print(f"{name}: {figs[name]:.2f} output tok/s, {held[name] / 1e6:.1f} MB of weights held", flush=True)
+        print(f"{name}: {fig['output_tok_s']:.2f} output tok/s", flush=True)
+        return fig["output_tok_s"]
+
+    figs["raylm fp32"] = raylm("raylm fp32", a.checkpoint, "float32")
+    held["raylm fp32"] = weight_bytes(a.checkpoint, "float32")
+    quant = {f"raylm w8a8 {d}": (lambda n=f"raylm w8a8 {d}", d=d: raylm(n, w8a8, d)) for d in dtypes}
+    for name, d in zip(quant, dtypes):
+        held[name] = weight_bytes(w8a8, d)
+    peer = None if a.no_vllm else start_vllm(a, w8a8, vllm_dtype)
+    try:
+        if peer is not None:
+            peer_name = f"vLLM w8a8 {vllm_dtype}"
+
+            def vllm_w8a8():
+                elapsed, outs[peer_name] = peer.run(wl.prompts, wl.output_lens)
+                print(f"{peer_name}: {wl.output_tokens / elapsed:.2f} output tok/s", flush=True)
+                return wl.output_tokens / elapsed
+
+            quant[peer_name] = vllm_w8a8
+        rounds = {name: [] for name in quant}
+        for r in range(a.rounds):
+            for name in (list(quant) if r % 2 == 0 else list(quant)[::-1]):
+                rounds[name].append(quant[name]())
+    finally:
+        if peer is not None:
+            peer.close()
+    for name, values in rounds.items():
+        figs[name] = statistics.median(values)
+        if a.rounds > 1:
+            print(f"{name}: median {figs[name]:.2f} output tok/s of {', '.join(f'{v:.1f}' for v in values)}")
     if not a.no_vllm:
-        for name, path, dtype in ((f"vLLM w8a8 {vllm_dtype}", w8a8, vllm_dtype),
-                                  ("vLLM fp32", a.checkpoint, "float32")):
-            figs[name], outs[name] = run_vllm(a, path, dtype, wl)
-            print(f"{name}: {figs[name]:.2f} output tok/s", flush=True)
+        figs["vLLM fp32"], outs["vLLM fp32"] = run_vllm(a, a.checkpoint, "float32", wl)
+        print(f"vLLM fp32: {figs['vLLM fp32']:.2f} output tok/s", flush=True)
+    for name in held:
+        print(f"{name}: {held[name] / 1e6:.1f} MB of weights held")
 
     fp32_bytes = 4 * sum(p.numel() for p in load_model(a.checkpoint, "float32").parameters())
     print(f"\nweights in fp32 (the checkpoint's parameters at 4 bytes): {fp32_bytes / 1e6:.1f} MB")
@@ -130,12 +163,17 @@ def decoder_macs(config, wl) -> int:
     return per_token * config.num_hidden_layers * tokens
 
 
-def run_vllm(a, path: str, dtype: str, wl) -> tuple[float, list[list[int]]]:
+def start_vllm(a, path: str, dtype: str) -> VLLMPeer:
     t = time.perf_counter()
     peer = VLLMPeer(path, dtype=dtype, max_num_seqs=a.batch_size, max_num_batched_tokens=a.max_num_batched_tokens,
                     block_size=None, threads=a.threads, venv=a.peers_venv,
                     log_path=os.path.join(tempfile.gettempdir(), "vllm-peer-quant.log"))
     print(f"vLLM {peer.version} up in {time.perf_counter() - t:.0f}s on {os.path.basename(path)}", flush=True)
+    return peer
+
+
+def run_vllm(a, path: str, dtype: str, wl) -> tuple[float, list[list[int]]]:
+    peer = start_vllm(a, path, dtype)
     try:
         elapsed, out = peer.run(wl.prompts, wl.output_lens)
     finally:
