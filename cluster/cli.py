@@ -197,12 +197,37 @@ def cmd_serve(a: argparse.Namespace) -> int:
             log.warning("--serve-proxy haproxy: a Ray this command joins serves through HAProxy only if it was "
                         "started with RAY_SERVE_ENABLE_HA_PROXY=1 in its environment")
         os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"  # before Ray starts: its Serve controller reads it
+        if a.address == "local":
+            os.environ.update(private_haproxy_env(os.environ))
     cluster.ensure_ray(a.address)
     if a.engines is not None:
         return _serve_with_ray_serve(a, cfg, serving)
     if serving.http_process == "process":
         return _serve_from_this_process(a, cfg, serving)
     return _serve_in_engine(a, cfg, serving)
+
+
+def private_haproxy_env(env) -> dict[str, str]:
+    """For a Ray this command starts with Serve's HAProxy: the listeners and files HAProxy otherwise
+    takes from fixed defaults (stats and metrics ports 8404 and 9101, the fallback Python proxy's
+    8500, its config, admin socket and server state under /tmp/haproxy-serve), made this server's
+    own, so a second server on the host neither fails to bind nor overwrites the first's config. A
+    variable already set in `env` is kept."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from cluster.ports import free_port
+
+    d = tempfile.mkdtemp(prefix="raylm-haproxy-")
+    atexit.register(shutil.rmtree, d, True)
+    own = {"RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+           "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),  # Serve's Python proxy beside HAProxy
+           "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(d, "haproxy.cfg"),
+           "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(d, "admin.sock"),
+           "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": d,
+           "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(d, "server-state")}
+    return {k: v for k, v in own.items() if k not in env}
 
 
 def _serve_in_engine(a, cfg, serving: ServingConfig) -> int:

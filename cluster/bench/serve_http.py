@@ -19,12 +19,13 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+
+from cluster.ports import free_port
 
 
 @dataclass
@@ -262,17 +263,11 @@ def engine_state(base: str) -> dict:
     return {k.removeprefix("raylm_"): v for k, v in found.items()}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServeProcess:
     """`raylm serve` in its own process group, up until the context ends."""
 
     def __init__(self, args: list[str], log_path: str, timeout_s: float = 600.0):
-        self.port = _free_port()
+        self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.args, self.log_path, self.timeout_s = args, log_path, timeout_s
         self.proc: subprocess.Popen | None = None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -12,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from cluster.ports import free_port  # noqa: F401 (the tests import it from here)
 from workers.actor import WORKER_ACTOR_ENV
 
 SERVED_MODEL = "tiny-qwen3"  # the name the served engine answers to
@@ -24,12 +24,6 @@ def faulty_workers(monkeypatch):
     from tests.cluster.faults import FAULTY_WORKER
 
     monkeypatch.setenv(WORKER_ACTOR_ENV, FAULTY_WORKER)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_raylm_serve(ray_session, log_path, name: str, frontend: str, api_key: str = "k-cli", extra=()):

@@ -41,6 +41,15 @@ def haproxy_pids(session: int) -> list[int]:
             if line.split()[1] == str(session) and "haproxy" in line.split(None, 2)[2].split()[0]]
 
 
+def start_serve(log, port: int, key: str, proxy: str, ingress: str, env: dict) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "serve", "--engines", "1", "--address", "local", "--port", str(port),
+         "--num-kv-blocks", "64", "--max-num-seqs", "8", "--disable-access-log", "--serve-proxy", proxy,
+         "--serve-ingress", ingress],
+        stdout=log, stderr=subprocess.STDOUT, env=dict(env, RAYLM_API_KEY=key, PYTHONUNBUFFERED="1"),
+        start_new_session=True)
+
+
 @pytest.mark.parametrize("proxy,ingress,optimized", [("python", "deployment", False), ("haproxy", "direct", False),
                                                      ("haproxy", "deployment", True)])
 def test_raylm_serve_with_engines_serves_until_interrupted(tmp_path, proxy, ingress, optimized):
@@ -48,15 +57,8 @@ def test_raylm_serve_with_engines_serves_until_interrupted(tmp_path, proxy, ingr
     block inside a replica (the ingress's /health and /metrics ask an engine from a thread)."""
     port, key = free_port(), "k-serve"
     log = open(tmp_path / "serve.log", "w+")
-    # HAProxy's stats and metrics listeners on free ports, not its fixed defaults another Serve may hold
-    ports = {"RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
-             "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1" if optimized else "0"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--engines", "1", "--address", "local", "--port", str(port),
-         "--num-kv-blocks", "64", "--max-num-seqs", "8", "--disable-access-log", "--serve-proxy", proxy,
-         "--serve-ingress", ingress],
-        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, RAYLM_API_KEY=key, PYTHONUNBUFFERED="1", **ports),
-        start_new_session=True)
+    proc = start_serve(log, port, key, proxy, ingress,
+                       dict(os.environ, RAY_SERVE_THROUGHPUT_OPTIMIZED="1" if optimized else "0"))
     try:
         base = f"http://127.0.0.1:{port}"
         wait_healthy(proc, log, base)  # Serve's proxy answers (404, 503) before the application is up
@@ -79,3 +81,30 @@ def test_raylm_serve_with_engines_serves_until_interrupted(tmp_path, proxy, ingr
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_two_servers_behind_haproxy_on_one_host_each_serve(tmp_path):
+    """Serve's HAProxy takes fixed ports and files under /tmp unless told otherwise: each `raylm serve`
+    that starts its own Ray gives its HAProxy its own, so a second server on the host neither fails to
+    bind nor replaces the first's config."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_SERVE_HAPROXY_", "RAY_SERVE_FALLBACK_"))}
+    key, servers = "k-two", []
+    try:
+        for i in range(2):
+            port, log = free_port(), open(tmp_path / f"serve{i}.log", "w+")
+            servers.append((start_serve(log, port, key, "haproxy", "direct", env), log, f"http://127.0.0.1:{port}"))
+        for proc, log, base in servers:
+            wait_healthy(proc, log, base)
+        for proc, log, base in servers:
+            client = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
+            out = client.completions.create(model="tiny-qwen3", prompt="Hello", max_tokens=4, temperature=0)
+            assert out.usage.completion_tokens >= 1, log_tail(log)
+            assert len(haproxy_pids(proc.pid)) >= 1  # each behind an HAProxy of its own
+        for proc, log, _ in servers:
+            os.killpg(proc.pid, signal.SIGINT)
+            assert proc.wait(timeout=120) == 0, log_tail(log)
+    finally:
+        for proc, _, _ in servers:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
