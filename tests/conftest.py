@@ -6,8 +6,14 @@ it is marked `ray`, so `-m "not ray"` (make test-fast) runs what needs no Ray.""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
+
+# Every test process measures its kernel choices afresh, as the tests of those measurements expect:
+# nothing a test that fixed a probe's outcome, or an earlier run, kept on this host is taken
+# (tests/workers/test_kernel_choices.py turns keeping on where it checks it).
+os.environ.setdefault("RAYLM_KERNEL_CHOICES", "off")
 
 
 def pytest_collection_modifyitems(config, items) -> None:

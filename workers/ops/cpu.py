@@ -47,6 +47,7 @@ from workers.ops.cpu_features import cpu_class, has_mkl_packed_linear, has_onedn
 from workers.ops.cpu_moe import CPUMoE
 from workers.ops.cpu_narrow import ALL, NarrowWeight, bf16_copy, choose_rows, forced_rows, narrow_linear
 from workers.ops.cpu_quant import Int4Paths, Int8Paths
+from workers.ops.kernel_choices import remembered
 from workers.ops.reference import ReferenceOps
 
 LINEAR_PATHS = ("aten", "mkl-packed", "onednn-packed")
@@ -169,7 +170,8 @@ class CPUOps(ReferenceOps):
             return self._narrow(None, narrow, weight, bias, ALL)
         handle = self._wide(weight, bias)
         if narrow is not None and rows is None:
-            rows = self.agree(choose_rows(cpu_kernels.load(), self.linear, handle, narrow, weight.shape[0]))
+            rows = self.agree(remembered("narrow_rows", (*weight.shape, linear_path(weight.dtype)), lambda: choose_rows(
+                cpu_kernels.load(), self.linear, handle, narrow, weight.shape[0])))
             self.narrow_rows[tuple(weight.shape)] = rows
         if rows == ALL:
             return self._narrow(None, narrow, weight, bias, ALL)  # the wide copy made to measure is dropped
@@ -182,8 +184,8 @@ class CPUOps(ReferenceOps):
         kernels, shape = cpu_kernels.load(), tuple(weight.shape)
         handle = cpu_amx.pack(kernels, weight, bias)
         if cpu_amx.forced() != "all" and shape not in self.amx_wins:
-            self.amx_wins[shape] = bool(self.agree(cpu_amx.faster(kernels, self.linear, self._wide(weight, bias),
-                                                                  handle)))
+            self.amx_wins[shape] = bool(self.agree(remembered("amx_bf16", shape, lambda: cpu_amx.faster(
+                kernels, self.linear, self._wide(weight, bias), handle))))
         if cpu_amx.forced() == "all" or self.amx_wins[shape]:
             self.linear_paths.add("amx-bf16")
             return handle

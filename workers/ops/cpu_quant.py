@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.ops.cpu_narrow import best_of
+from workers.ops.kernel_choices import remembered
 from workers.quant.weights import Int4Weight, Int8Weight, dequantize_int4, quantize_rows, quantize_static
 
 INT8_ENV = "RAYLM_CPU_INT8_GEMM"  # onednn-int8 | int-mm: that kernel, not the measured one
@@ -190,7 +191,8 @@ class Int4Paths:
         if forced is not None and not forced.isdecimal():
             raise ValueError(f"{INT4_ENV} must be a row count (0: never int4pack), got {forced!r}")
         if forced is None and key not in self.rows:
-            self.rows[key] = self.agree(_int4_crossover(int4, dequant, w.in_features, dtype))
+            self.rows[key] = self.agree(remembered("int4_rows", (*w.qweight.shape, w.group_size, str(dtype)),
+                                                   lambda: _int4_crossover(int4, dequant, w.in_features, dtype)))
         rows = int(forced) if forced is not None else self.rows[key]
         if rows == 0:
             return "dequant-gemm", dequant, []
