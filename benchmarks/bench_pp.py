@@ -2,7 +2,7 @@
 against TP=1 on one actor with two threads, through the engine.
 
     PYTHONPATH=. python benchmarks/bench_pp.py [--model random:qwen3-0.6b?layers=8]
-        [--batch 32] [--prompt-len 32] [--new-tokens 64] [--repeats 3] [--partition 5,3]
+        [--batch 32] [--prompt-len 32] [--new-tokens 64] [--repeats 3] [--partition 5,3] [--dtype D]
 
 Both use the same two cores (a local Ray with num_cpus=2), the same model and the same greedy
 workload (`batch` prompts of random token ids, `new-tokens` tokens each, EOS ignored). Runs
@@ -30,8 +30,8 @@ import cluster
 from cluster import SamplingParams
 
 
-def run(model: str, layout: dict, prompts: list[list[int]], new_tokens: int) -> dict:
-    with cluster.launch(model, num_kv_blocks=4096, max_num_seqs=len(prompts), **layout) as llm:
+def run(model: str, layout: dict, prompts: list[list[int]], new_tokens: int, dtype: str | None) -> dict:
+    with cluster.launch(model, num_kv_blocks=4096, max_num_seqs=len(prompts), dtype=dtype, **layout) as llm:
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm
         t0 = time.perf_counter()
@@ -59,6 +59,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--partition", default=None, help="layers per stage of an extra PP=2 layout, e.g. 5,3")
     ap.add_argument("--one-thread", action="store_true", help="also TP=1 on one thread: what one core does alone")
+    ap.add_argument("--dtype", default=None,
+                    help="compute dtype (default: the engine's for the checkpoint on this CPU). float32 compares the "
+                         "layouts' greedy outputs exactly where bf16 runs on AMX, whose rounding depends on a "
+                         "batch's shape (PP's microbatches are half a step's rows)")
     a = ap.parse_args()
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 150000) for _ in range(a.prompt_len)] for _ in range(a.batch)]
@@ -73,11 +77,12 @@ def main() -> None:
     figs: dict[str, list[dict]] = {name: [] for name in layouts}
     for _ in range(a.repeats):
         for name, layout in layouts.items():
-            figs[name].append(run(a.model, layout, prompts, a.new_tokens))
+            figs[name].append(run(a.model, layout, prompts, a.new_tokens, a.dtype))
     ray.shutdown()
     base_name = next(iter(layouts))
     base = statistics.median(f["tok_s"] for f in figs[base_name])
-    print(f"model {a.model}, batch {a.batch}, prompt {a.prompt_len}, new {a.new_tokens}, {a.repeats} runs each")
+    print(f"model {a.model} in {a.dtype or 'its default dtype'}, batch {a.batch}, prompt {a.prompt_len}, "
+          f"new {a.new_tokens}, {a.repeats} runs each")
     for name, runs in figs.items():
         tok_s = statistics.median(f["tok_s"] for f in runs)
         same = all(f["tokens"] == figs[base_name][0]["tokens"] for f in runs)
