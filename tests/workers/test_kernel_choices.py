@@ -57,6 +57,14 @@ def test_a_damaged_file_is_measured_again_and_rewritten(kept):
     assert remembered("probe", (1,), lambda: 8) == 7
 
 
+def test_a_cache_that_cannot_be_written_measures_and_serves(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv(kernel_choices.ENV, str(blocker / "choices.json"))  # its directory is a file
+    assert remembered("probe", (1,), lambda: 3) == 3
+    assert remembered("probe", (1,), lambda: 4) == 4
+
+
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="raylm's CPU kernels did not build here")
 def test_a_second_op_table_takes_the_first_ones_narrow_crossover_where_its_own_probe_would_differ(kept, monkeypatch):
     monkeypatch.setattr(cpu_narrow, "NARROW_MIN_ELEMENTS", 1)

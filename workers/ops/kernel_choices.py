@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,8 @@ from pathlib import Path
 import torch
 
 ENV = "RAYLM_KERNEL_CHOICES"
+
+log = logging.getLogger(__name__)
 
 
 def path() -> Path | None:
@@ -40,13 +43,19 @@ def path() -> Path | None:
 
 def remembered(kind: str, key: tuple, measure: Callable[[], int]) -> int:
     """This host's choice of `kind` for `key` (a weight's shape, dtype...) at this process's torch
-    thread count: the one kept, else measure() now, kept for the processes after this one."""
+    thread count: the one kept, else measure() now, kept for the processes after this one. Where the
+    file cannot be written (a read-only cache) the choice is measured and not kept, as with `off`."""
     where = path()
     if where is None:
         return measure()
     name = repr((kind, *key, torch.get_num_threads()))
-    where.parent.mkdir(parents=True, exist_ok=True)
-    with open(where.with_name(where.name + ".lock"), "a") as lock:
+    try:
+        where.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(where.with_name(where.name + ".lock"), "a")
+    except OSError as e:
+        log.warning("kernel choices cannot be kept in %s (%s): measured at every start", where, e)
+        return measure()
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if measure() raises
         kept = _read(where)
         if name in kept:
@@ -54,8 +63,11 @@ def remembered(kind: str, key: tuple, measure: Callable[[], int]) -> int:
         value = int(measure())
         kept[name] = value
         tmp = where.with_name(f".{where.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(kept, indent=0, sort_keys=True))
-        os.replace(tmp, where)  # readers without the lock never see half a file
+        try:
+            tmp.write_text(json.dumps(kept, indent=0, sort_keys=True))
+            os.replace(tmp, where)  # readers without the lock never see half a file
+        except OSError as e:
+            log.warning("kernel choice %s not kept in %s (%s)", name, where, e)
         return value
 
 
