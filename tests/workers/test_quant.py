@@ -156,12 +156,17 @@ def _weights(scheme: str, out: int, inp: int, seed: int):
 
 @pytest.mark.parametrize("scheme", ["w8a8-dynamic", "w8a8-static", "w4a16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("path", ["measured", "forced-a", "forced-b", "torch-elementwise"])
+@pytest.mark.parametrize("path", ["measured", "forced-a", "forced-b", "forced-c", "torch-elementwise"])
 def test_cpu_quantized_linear_equals_the_reference(monkeypatch, scheme, dtype, path):
     """Each CPU path (forced through its switch, or as measured; activations quantized by the fused
     kernels or by torch's ops) against the reference arithmetic on seeded batches of 1-70 rows,
-    fused weights and a bias included."""
-    forced = {"forced-a": ("onednn-int8", "64"), "forced-b": ("int-mm", "0")}.get(path)
+    fused weights and a bias included. A forced int8 kernel whose sums saturate on this CPU (oneDNN's
+    without VNNI) is refused with an error instead of computing other numbers."""
+    from workers.ops.cpu_quant import has_avx2_int8, saturates
+
+    forced = {"forced-a": ("onednn-int8", "64"), "forced-b": ("int-mm", "0"), "forced-c": ("avx2-int8", "64")}.get(path)
+    if path == "forced-c" and (scheme == "w4a16" or not has_avx2_int8()):
+        pytest.skip("the AVX2 int8 kernel serves W8A8 where raylm's kernels built with AVX2")
     if path == "torch-elementwise":
         monkeypatch.setenv("RAYLM_CPU_ELEMENTWISE", "eager")
     if forced:
@@ -172,6 +177,10 @@ def test_cpu_quantized_linear_equals_the_reference(monkeypatch, scheme, dtype, p
     if scheme == "w8a8-static":
         w = fuse([_weights(scheme, 96, 256, 1), _weights(scheme, 64, 256, 1)])
     bias = torch.randn(160).to(dtype)
+    if forced and scheme != "w4a16" and saturates(forced[0]):
+        with pytest.raises(RuntimeError, match=f"RAYLM_CPU_INT8_GEMM={forced[0]}: .* not exact on this CPU"):
+            ops.prepare_quantized_linear(w, bias, dtype=dtype)
+        return
     handle = ops.prepare_quantized_linear(w, bias, dtype=dtype)
     for rows in (1, 3, 16, 70):
         x = (torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)) * 2).to(dtype)
@@ -192,10 +201,10 @@ def test_a_prepared_linear_lets_the_values_it_repacked_go(monkeypatch, scheme, e
     import gc
     import weakref
 
-    from workers.ops.cpu_quant import has_onednn_int8
+    from workers.ops.cpu_quant import has_onednn_int8, saturates
 
-    if "RAYLM_CPU_INT8_GEMM" in env and not has_onednn_int8():
-        pytest.skip("this torch has no oneDNN int8 inner product")
+    if "RAYLM_CPU_INT8_GEMM" in env and (not has_onednn_int8() or saturates("onednn-int8")):
+        pytest.skip("this torch has no oneDNN int8 inner product, or its sums saturate on this CPU")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     w = _weights(scheme, 64, 256, 1)
@@ -358,15 +367,17 @@ def bytes_saved(quantized: str) -> tuple[int, int]:
     return fp32.weight_bytes() - model.weight_bytes(), linears
 
 
-@pytest.mark.parametrize("path", ["onednn-int8", "int-mm"])
+@pytest.mark.parametrize("path", ["onednn-int8", "int-mm", "avx2-int8"])
 def test_quantized_weights_are_held_at_their_width(checkpoints, monkeypatch, path):
     """int8 decoder linears hold a quarter of fp32's bytes (scales aside), whichever kernel runs them
     (a packed copy replaces the int8 values, not joins them): both prepared by the CPU table,
     whatever it keeps for the (full-precision) lm_head is the same in both."""
-    from workers.ops.cpu_quant import has_onednn_int8
+    from workers.ops.cpu_quant import has_avx2_int8, has_onednn_int8, saturates
 
-    if path == "onednn-int8" and not has_onednn_int8():
-        pytest.skip("this torch has no oneDNN int8 inner product")
+    if path == "onednn-int8" and (not has_onednn_int8() or saturates(path)):
+        pytest.skip("this torch has no oneDNN int8 inner product, or its sums saturate on this CPU")
+    if path == "avx2-int8" and not has_avx2_int8():
+        pytest.skip("raylm's CPU kernels were not built with AVX2 here")
     monkeypatch.setenv("RAYLM_CPU_INT8_GEMM", path)
     saved, linears = bytes_saved(checkpoints["compressed-tensors"][0])
     assert saved >= 0.73 * linears

@@ -6,7 +6,10 @@ sums, then the scales, by either
 - "onednn-int8": oneDNN's quantized inner product (`torch.ops.onednn.qlinear_pointwise` over a
   weight prepacked once by `qlinear_prepack`: AVX2 / AVX512-VNNI / AMX-INT8 kernels, whichever
   the CPU has), the per-channel scales applied inside, the per-token ones after; or
-- "int-mm": `torch._int_mm` (int32 sums) and the scales applied after;
+- "int-mm": `torch._int_mm` (int32 sums) and the scales applied after; or
+- "avx2-int8": raylm's AVX2 kernel (workers/ops/csrc/int8_linear.cpp) for CPUs without VNNI, where
+  oneDNN's int8 runs slower than fp32: VPMADDUBSW with the activations' sign moved onto the weight,
+  exact for weights without -128 (it is not offered for one that holds it);
 whichever is faster at 1-64 rows here, among those whose int32 sums are exact on a probe of
 extreme values (a kernel that saturates 16-bit pair sums, as pre-VNNI int8 instructions can, is
 never chosen).
@@ -27,13 +30,14 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from workers.ops import cpu_kernels
 from workers.ops.cpu_narrow import best_of
 from workers.ops.kernel_choices import remembered
 from workers.quant.weights import Int4Weight, Int8Weight, dequantize_int4, quantize_rows, quantize_static
 
-INT8_ENV = "RAYLM_CPU_INT8_GEMM"  # onednn-int8 | int-mm: that kernel, not the measured one
+INT8_ENV = "RAYLM_CPU_INT8_GEMM"  # onednn-int8 | int-mm | avx2-int8: that kernel, not the measured one
 INT4_ENV = "RAYLM_CPU_INT4_ROWS"  # N: int4pack up to N rows (0: never), not the measured crossover
-INT8_PATHS = ("onednn-int8", "int-mm")
+INT8_PATHS = ("onednn-int8", "int-mm", "avx2-int8")
 _PROBE_ROWS = (1, 16, 64)
 _INT4_ROWS = (1, 2, 4, 8, 16, 32, 64)
 _INT4_TILES = 2  # innerKTiles of torch's int4 packing (K must be a multiple of 16 * this)
@@ -53,8 +57,12 @@ class Int8Paths:
         as the handle keeps it: without its int8 values where the kernel holds its own packed copy,
         so they are held once)."""
         shape = tuple(w.qweight.shape)
-        name = _forced(INT8_ENV, INT8_PATHS) or self.chosen.get(shape)
-        if name is None:
+        name = _forced(INT8_ENV, INT8_PATHS, w.qweight)
+        if name is not None and not _exact(name, *shape):
+            raise RuntimeError(f"{INT8_ENV}={name}: that kernel's int32 sums are not exact on this CPU (its 16-bit "
+                               f"pair sums saturate); unset {INT8_ENV} to let raylm choose an exact one")
+        name = name or self.chosen.get(shape)
+        if name is None or not _serves(name, w.qweight):  # a shape's choice: not for a weight holding -128
             name = self.chosen[shape] = _fastest_exact(w)
         sums, held = _int8_sums(name, w.qweight)
         kept = replace(w, qweight=_shape_only(w.qweight)) if held else w
@@ -108,12 +116,17 @@ def _shape_only(t: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=t.dtype).expand(t.shape)
 
 
-def _forced(env: str, choices: tuple[str, ...]) -> str | None:
+def _forced(env: str, choices: tuple[str, ...], qweight: torch.Tensor | None = None) -> str | None:
     value = os.environ.get(env)
     if value is not None and value not in choices:
         raise ValueError(f"{env} must be one of {', '.join(choices)}, got {value!r}")
     if value == "onednn-int8" and not has_onednn_int8():
         raise RuntimeError(f"{env}={value}, but oneDNN's int8 inner product is not in this torch build")
+    if value == "avx2-int8" and not has_avx2_int8():
+        raise RuntimeError(f"{env}={value}, but raylm's CPU kernels were not built with AVX2 here")
+    if value == "avx2-int8" and qweight is not None and not _serves(value, qweight):
+        raise ValueError(f"{env}={value} cannot run a {tuple(qweight.shape)} weight that holds -128 or whose "
+                         f"input size is not a multiple of 4")
     return value
 
 
@@ -121,11 +134,33 @@ def has_onednn_int8() -> bool:
     return hasattr(torch.ops.onednn, "qlinear_prepack") and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
+def has_avx2_int8() -> bool:
+    kernels = cpu_kernels.load()
+    return kernels is not None and bool(kernels.int8_linear_available())
+
+
+def _serves(name: str, qweight: torch.Tensor) -> bool:
+    """Whether path `name` computes exact sums for this weight (the AVX2 kernel: K % 4 == 0, no -128)."""
+    if name != "avx2-int8":
+        return True
+    return has_avx2_int8() and qweight.shape[1] % 4 == 0 and not bool((qweight == -128).any())
+
+
 def _int8_sums(name: str, qweight: torch.Tensor):
     """-> (sums(xq [T, in], scale [out]) -> fp32 [T, out] = (xq @ qweight.T) * scale, tensors it holds)."""
     if name == "onednn-int8":
         packed = torch.ops.onednn.qlinear_prepack(qweight, None)  # oneDNN's blocked int8 layout
         return (lambda xq, scale: _onednn_scaled(xq, packed, scale)), [packed]
+    if name == "avx2-int8":
+        kernels = cpu_kernels.load()
+        packed = kernels.int8_linear_pack(qweight)
+        rows = qweight.shape[0]
+
+        def sums(xq, scale):
+            y = torch.empty(xq.shape[0], rows)
+            kernels.int8_linear(y, xq if xq.stride(-1) == 1 else xq.contiguous(), packed, scale)
+            return y
+        return sums, [packed]
     return (lambda xq, scale: torch._int_mm(xq.contiguous(), qweight.t()).float().mul_(scale)), []
 
 
@@ -139,12 +174,10 @@ def _fastest_exact(w: Int8Weight) -> str:
     """The fastest path at _PROBE_ROWS rows whose sums are exact for all-(-128) operands (the
     largest magnitude, 16384 * in, where 16-bit pair sums would saturate)."""
     n, k = w.qweight.shape
-    names = INT8_PATHS if has_onednn_int8() else ("int-mm",)
-    extreme, ones = torch.full((17, k), -128, dtype=torch.int8), torch.ones(n)
+    names = [name for name in INT8_PATHS if (name != "onednn-int8" or has_onednn_int8()) and _serves(name, w.qweight)]
     times = {}
     for name in names:
-        probe, _ = _int8_sums(name, torch.full((n, k), -128, dtype=torch.int8))
-        if not bool((probe(extreme, ones) == float(128 * 128 * k)).all()):
+        if not _exact(name, n, k):
             continue
         sums, _ = _int8_sums(name, w.qweight)
         times[name] = sum(best_of(functools.partial(sums, torch.ones(r, k, dtype=torch.int8), w.scale), 3)
@@ -152,6 +185,30 @@ def _fastest_exact(w: Int8Weight) -> str:
     if not times:
         raise RuntimeError(f"no exact int8 GEMM on this CPU for a {n}x{k} weight (tried {', '.join(names)})")
     return min(times, key=times.get)
+
+
+def saturates(name: str) -> bool:
+    """Whether int8 path `name` loses exactness on this CPU (e.g. oneDNN's without VNNI): it is then never
+    chosen, and forcing it is an error."""
+    return (name != "onednn-int8" or has_onednn_int8()) and not _exact(name, 16, 64)
+
+
+@functools.lru_cache(maxsize=None)
+def _exact(name: str, n: int, k: int) -> bool:
+    """Whether path `name`'s sums are exact for an [n, k] weight whose rows take the extremes it accepts
+    (all lowest, all 127, the two alternating) against activations at theirs (all -128, all 127,
+    alternating either way): where 16-bit pair sums saturate, whichever way a kernel shifts its operands
+    to unsigned bytes, one of these pairs does."""
+    lowest = -127 if name == "avx2-int8" else -128  # the most negative weight the path takes
+    hi = torch.full((k,), 127, dtype=torch.int8)
+    lo = torch.full((k,), lowest, dtype=torch.int8)
+    mixed = torch.where(torch.arange(k) % 2 == 0, hi, lo)
+    weight = torch.stack([lo, hi, mixed, mixed.flip(0)])[torch.arange(n) % 4]
+    low_x, mixed_x = torch.full((k,), -128, dtype=torch.int8), torch.where(torch.arange(k) % 2 == 0, 127, -128)
+    x = torch.stack([low_x, hi, mixed_x.to(torch.int8), mixed_x.flip(0).to(torch.int8)])[torch.arange(17) % 4]
+    probe, _ = _int8_sums(name, weight)
+    want = (x.long() @ weight.long().t()).float()
+    return bool(torch.equal(probe(x, torch.ones(n)), want))
 
 
 class Int4Paths:

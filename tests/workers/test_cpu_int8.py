@@ -1,0 +1,58 @@
+"""The AVX2 int8 linear (workers/ops/csrc/int8_linear.cpp): exact int32 sums times the channel scales,
+against torch's integer matmul, at the extremes of the operands it accepts; a weight it cannot take
+exactly (one holding -128) is refused by the kernel and left to another path by the CPU table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.ops import cpu_kernels, get_op_table
+from workers.ops.cpu_quant import has_avx2_int8
+from workers.quant import Int8Weight, reference_linear
+
+pytestmark = pytest.mark.skipif(not has_avx2_int8(), reason="raylm's CPU kernels were not built with AVX2 here")
+
+
+def _exact(xq: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (xq.long() @ w.long().t()).float().mul_(scale)  # int64 sums: the arithmetic, not another kernel
+
+
+@pytest.mark.parametrize("rows,k", [(8, 4), (13, 36), (40, 256), (257, 1028)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sums_are_exact_at_every_batch_and_shape(rows, k, threads):
+    kernels = cpu_kernels.load()
+    gen = torch.Generator().manual_seed(rows * k)
+    w = torch.randint(-127, 128, (rows, k), generator=gen, dtype=torch.int8)
+    w[0] = 127
+    w[-1] = -127  # the largest magnitudes, met by -128 activations below: 2 x 128 x 127 per int16 pair sum
+    scale = torch.rand(rows, generator=gen) + 0.5
+    packed = kernels.int8_linear_pack(w)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for m in (1, 3, 4, 5, 17, 70):
+            xq = torch.randint(-128, 128, (m, k), generator=gen, dtype=torch.int8)
+            xq[0] = -128
+            y = torch.full((m, rows + 3), 9.0)[:, :rows]  # rows by stride, inside a wider buffer
+            kernels.int8_linear(y, xq, packed, scale)
+            assert torch.equal(y, _exact(xq, w, scale)), (m, rows, k)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_weight_holding_minus_128_is_refused_and_runs_elsewhere(monkeypatch):
+    kernels = cpu_kernels.load()
+    w = torch.randint(-127, 128, (24, 64), generator=torch.Generator().manual_seed(3), dtype=torch.int8)
+    w[5, 7] = -128
+    with pytest.raises(RuntimeError, match="holds -128"):
+        kernels.int8_linear_pack(w)
+    weight = Int8Weight(w, torch.full((24,), 0.01))
+    x = torch.randn(6, 64)
+    ops = get_op_table("cpu", "cpu")
+    handle = ops.prepare_quantized_linear(weight, None, dtype=torch.float32)
+    assert "avx2-int8" not in ops.describe()["quantized"]
+    torch.testing.assert_close(ops.linear(x, handle), reference_linear(x, weight, None), atol=1e-5, rtol=1e-5)
+    monkeypatch.setenv("RAYLM_CPU_INT8_GEMM", "avx2-int8")
+    with pytest.raises(ValueError, match=r"RAYLM_CPU_INT8_GEMM=avx2-int8 cannot run a \(24, 64\) weight that holds -128"):
+        get_op_table("cpu", "cpu").prepare_quantized_linear(weight, None, dtype=torch.float32)
