@@ -54,5 +54,6 @@ def test_a_weight_holding_minus_128_is_refused_and_runs_elsewhere(monkeypatch):
     assert "avx2-int8" not in ops.describe()["quantized"]
     torch.testing.assert_close(ops.linear(x, handle), reference_linear(x, weight, None), atol=1e-5, rtol=1e-5)
     monkeypatch.setenv("RAYLM_CPU_INT8_GEMM", "avx2-int8")
-    with pytest.raises(ValueError, match=r"RAYLM_CPU_INT8_GEMM=avx2-int8 cannot run a \(24, 64\) weight that holds -128"):
+    refused = r"RAYLM_CPU_INT8_GEMM=avx2-int8 cannot run a \(24, 64\) weight that holds -128"
+    with pytest.raises(ValueError, match=refused):
         get_op_table("cpu", "cpu").prepare_quantized_linear(weight, None, dtype=torch.float32)

@@ -193,7 +193,7 @@ def saturates(name: str) -> bool:
     return (name != "onednn-int8" or has_onednn_int8()) and not _exact(name, 16, 64)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _exact(name: str, n: int, k: int) -> bool:
     """Whether path `name`'s sums are exact for an [n, k] weight whose rows take the extremes it accepts
     (all lowest, all 127, the two alternating) against activations at theirs (all -128, all 127,
