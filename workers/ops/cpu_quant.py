@@ -8,8 +8,7 @@ sums, then the scales, by either
   the CPU has), the per-channel scales applied inside, the per-token ones after; or
 - "int-mm": `torch._int_mm` (int32 sums) and the scales applied after; or
 - "avx2-int8": raylm's AVX2 kernel (workers/ops/csrc/int8_linear.cpp) for CPUs without VNNI, where
-  oneDNN's int8 runs slower than fp32: VPMADDUBSW with the activations' sign moved onto the weight,
-  exact for weights without -128 (it is not offered for one that holds it);
+  oneDNN's int8 saturates and runs slower than fp32: weights widened to int16 in registers, VPMADDWD;
 whichever is faster at 1-64 rows here, among those whose int32 sums are exact on a probe of
 extreme values (a kernel that saturates 16-bit pair sums, as pre-VNNI int8 instructions can, is
 never chosen).
@@ -62,7 +61,7 @@ class Int8Paths:
             raise RuntimeError(f"{INT8_ENV}={name}: that kernel's int32 sums are not exact on this CPU (its 16-bit "
                                f"pair sums saturate); unset {INT8_ENV} to let raylm choose an exact one")
         name = name or self.chosen.get(shape)
-        if name is None or not _serves(name, w.qweight):  # a shape's choice: not for a weight holding -128
+        if name is None:
             name = self.chosen[shape] = _fastest_exact(w)
         sums, held = _int8_sums(name, w.qweight)
         kept = replace(w, qweight=_shape_only(w.qweight)) if held else w
@@ -125,8 +124,7 @@ def _forced(env: str, choices: tuple[str, ...], qweight: torch.Tensor | None = N
     if value == "avx2-int8" and not has_avx2_int8():
         raise RuntimeError(f"{env}={value}, but raylm's CPU kernels were not built with AVX2 here")
     if value == "avx2-int8" and qweight is not None and not _serves(value, qweight):
-        raise ValueError(f"{env}={value} cannot run a {tuple(qweight.shape)} weight that holds -128 or whose "
-                         f"input size is not a multiple of 4")
+        raise ValueError(f"{env}={value} cannot run a {tuple(qweight.shape)} weight: its input size is odd")
     return value
 
 
@@ -140,10 +138,8 @@ def has_avx2_int8() -> bool:
 
 
 def _serves(name: str, qweight: torch.Tensor) -> bool:
-    """Whether path `name` computes exact sums for this weight (the AVX2 kernel: K % 4 == 0, no -128)."""
-    if name != "avx2-int8":
-        return True
-    return has_avx2_int8() and qweight.shape[1] % 4 == 0 and not bool((qweight == -128).any())
+    """Whether path `name` takes this weight (the AVX2 kernel: an even input size)."""
+    return name != "avx2-int8" or (has_avx2_int8() and qweight.shape[1] % 2 == 0)
 
 
 def _int8_sums(name: str, qweight: torch.Tensor):
@@ -195,13 +191,11 @@ def saturates(name: str) -> bool:
 
 @functools.cache
 def _exact(name: str, n: int, k: int) -> bool:
-    """Whether path `name`'s sums are exact for an [n, k] weight whose rows take the extremes it accepts
-    (all lowest, all 127, the two alternating) against activations at theirs (all -128, all 127,
-    alternating either way): where 16-bit pair sums saturate, whichever way a kernel shifts its operands
-    to unsigned bytes, one of these pairs does."""
-    lowest = -127 if name == "avx2-int8" else -128  # the most negative weight the path takes
+    """Whether path `name`'s sums are exact for an [n, k] weight whose rows take the extremes (all -128,
+    all 127, the two alternating) against activations at theirs (likewise): where 16-bit pair sums
+    saturate, whichever way a kernel shifts its operands to unsigned bytes, one of these pairs does."""
     hi = torch.full((k,), 127, dtype=torch.int8)
-    lo = torch.full((k,), lowest, dtype=torch.int8)
+    lo = torch.full((k,), -128, dtype=torch.int8)
     mixed = torch.where(torch.arange(k) % 2 == 0, hi, lo)
     weight = torch.stack([lo, hi, mixed, mixed.flip(0)])[torch.arange(n) % 4]
     low_x, mixed_x = torch.full((k,), -128, dtype=torch.int8), torch.where(torch.arange(k) % 2 == 0, 127, -128)

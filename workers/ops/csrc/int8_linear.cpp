@@ -1,19 +1,19 @@
 // W8A8's dense linear on AVX2 CPUs without VNNI: y [m, rows] (fp32) = (xq [m, K] @ w [rows, K]^T) * scale,
 // int8 x int8 with exact int32 sums, from a weight packed once.
 //
-// Without VNNI the fast int8 instruction is VPMADDUBSW: unsigned bytes times signed bytes, adjacent
-// products summed into int16 with saturation. With the activation's magnitude as the unsigned operand and
-// its sign moved onto the weight (VPSIGNB), each int16 sum is at most 2 x 128 x 127 = 32512 whenever the
-// weight holds no -128, so nothing saturates: int8_linear_pack refuses a weight holding -128 (the caller
-// then keeps another kernel). VPMADDWD against ones widens the pair sums into int32 sums of four
-// products. That is 32 multiply-adds in four instructions, twice what fp32 FMAs give on the same core
-// (and twice VPMADDWD over int16-widened operands, which costs the same instructions per product).
+// oneDNN's AVX2 int8 kernels use VPMADDUBSW (unsigned x signed bytes, adjacent products summed into int16
+// with saturation), which saturates for some operands and ran slower than fp32 on a Zen 3. Here each
+// weight vector is widened to int16 in registers and VPMADDWD multiplies it by a token's column pair (the
+// activations widened once per call), summing the two products into int32: exact for every int8 value,
+// 16 multiply-adds an instruction (twice an fp32 FMA's). Measured on a Zen 3, it ran as fast as
+// VPMADDUBSW with the activations' sign moved onto the weight (exact too, but not for a weight holding
+// -128), since that needs a sign instruction on the same pipes per product.
 //
-// The weight is packed into panels of 8 rows, each row's 4 consecutive columns side by side
-// ([rows / 8][K / 4][8][4] bytes, rows and columns padded with zeros): one 32-byte load is 8 rows x 4
-// columns, met by a broadcast of the token's 4 columns. The micro-kernel holds 2 panels x 4 tokens of
-// int32 accumulators in registers over the whole of K. Panels are split among torch's threads; tokens go
-// in blocks whose rows stay in L2 while a thread's panels stream past them.
+// The weight is packed into panels of 8 rows, each row's column pairs side by side ([rows / 8][K / 2][8][2]
+// bytes, rows padded with zeros): one 16-byte load, widened, is 8 rows x 2 columns, met by a broadcast
+// of the token's 2 columns. The micro-kernel holds 2 panels x 4 tokens of int32 accumulators in
+// registers over the whole of K. Panels are split among torch's threads; tokens go in blocks whose rows
+// stay in L2 while a thread's panels stream past them.
 #include <ATen/Parallel.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
@@ -42,32 +42,28 @@ bool has_kernel() {
 }
 
 #if defined(__AVX2__)
-// out[t * ldo + p * 8 + j] = float(sum_k w[p * 8 + j][k] * x[t][k]) * scale[p * 8 + j] for P panels, T tokens,
-// Kq groups of 4 columns; `valid` rows of the last panel stored
+// out[t * ldo + p * 8 + j] = float(sum_k w[p * 8 + j][k] * x[t][k]) * scale[p * 8 + j] for P panels, T tokens
+// (rows of int16), Kp pairs of columns; `valid` rows of the last panel stored
 template <int P, int T>
-inline void block(const int8_t* __restrict w, int64_t stride, int64_t Kq, const int8_t* const* x,
+inline void block(const int8_t* __restrict w, int64_t stride, int64_t Kp, const int16_t* const* x,
                   const float* scale, float* out, int64_t ldo, int64_t valid) {
   __m256i acc[P][T];
 #pragma GCC unroll 8
   for (int p = 0; p < P; ++p)
 #pragma GCC unroll 8
     for (int t = 0; t < T; ++t) acc[p][t] = _mm256_setzero_si256();
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t q = 0; q < Kq; ++q) {
+  for (int64_t q = 0; q < Kp; ++q) {
     __m256i wv[P];
 #pragma GCC unroll 8
-    for (int p = 0; p < P; ++p) wv[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * stride + q * 32));
+    for (int p = 0; p < P; ++p)
+      wv[p] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + p * stride + q * 16)));
 #pragma GCC unroll 8
     for (int t = 0; t < T; ++t) {
-      int32_t four;
-      std::memcpy(&four, x[t] + 4 * q, 4);
-      const __m256i xs = _mm256_set1_epi32(four);
-      const __m256i xa = _mm256_abs_epi8(xs);
+      int32_t two;
+      std::memcpy(&two, x[t] + 2 * q, 4);
+      const __m256i xb = _mm256_set1_epi32(two);
 #pragma GCC unroll 8
-      for (int p = 0; p < P; ++p) {
-        const __m256i pairs = _mm256_maddubs_epi16(xa, _mm256_sign_epi8(wv[p], xs));
-        acc[p][t] = _mm256_add_epi32(acc[p][t], _mm256_madd_epi16(pairs, ones));
-      }
+      for (int p = 0; p < P; ++p) acc[p][t] = _mm256_add_epi32(acc[p][t], _mm256_madd_epi16(wv[p], xb));
     }
   }
 #pragma GCC unroll 8
@@ -88,37 +84,47 @@ inline void block(const int8_t* __restrict w, int64_t stride, int64_t Kq, const 
   }
 }
 
-template <int P>
-inline void tokens(int64_t n, const int8_t* w, int64_t stride, int64_t Kq, const int8_t* const* x,
+template <int P, int T = MT>
+inline void tokens(int64_t n, const int8_t* w, int64_t stride, int64_t Kp, const int16_t* const* x,
                    const float* scale, float* out, int64_t ldo, int64_t valid) {
-  if (n >= 4) return block<P, 4>(w, stride, Kq, x, scale, out, ldo, valid);
-  if (n == 3) return block<P, 3>(w, stride, Kq, x, scale, out, ldo, valid);
-  if (n == 2) return block<P, 2>(w, stride, Kq, x, scale, out, ldo, valid);
-  block<P, 1>(w, stride, Kq, x, scale, out, ldo, valid);
+  if constexpr (T > 1) {
+    if (n < T) return tokens<P, T - 1>(n, w, stride, Kp, x, scale, out, ldo, valid);
+  }
+  block<P, T>(w, stride, Kp, x, scale, out, ldo, valid);
 }
 #endif
 
-// xq [m, K] int8 (K % 4 == 0; rows by stride), packed [panels, Kq * 32], scale [rows] -> y [m, rows] fp32
+// xq [m, K] int8 (K even; rows by stride), packed [panels, K / 2 * 16], scale [rows] -> y [m, rows] fp32
 void int8_linear(at::Tensor y, at::Tensor xq, at::Tensor packed, at::Tensor scale) {
 #if defined(__AVX2__)
   TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == at::kChar && xq.stride(1) == 1, "xq must be int8 [m, K], rows contiguous");
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kChar && packed.is_contiguous(),
               "the weight must be packed by int8_linear_pack");
   const int64_t m = xq.size(0), K = xq.size(1), rows = y.size(1), panels = packed.size(0);
-  TORCH_CHECK(K % 4 == 0 && packed.size(1) == K / 4 * 32 && (rows + PR - 1) / PR == panels,
+  TORCH_CHECK(K % 2 == 0 && packed.size(1) == K / 2 * 16 && (rows + PR - 1) / PR == panels,
               "xq's columns and y's rows must match the packed weight");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == rows,
               "scale must be float32 [rows]");
   TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kFloat && y.size(0) == m && y.stride(1) == 1,
               "y must be float32 [m, rows], rows contiguous");
   if (m == 0 || rows == 0) return;
-  std::vector<const int8_t*> xs(m);
-  for (int64_t i = 0; i < m; ++i) xs[i] = xq.data_ptr<int8_t>() + i * xq.stride(0);
+  // the activations widened to int16 once, so a broadcast of 4 bytes is a column pair of a token
+  std::vector<int16_t> xw(m * K);
+  std::vector<const int16_t*> xs(m);
+  const int8_t* xp = xq.data_ptr<int8_t>();
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int8_t* src = xp + i * xq.stride(0);
+      int16_t* dst = xw.data() + i * K;
+      for (int64_t k = 0; k < K; ++k) dst[k] = src[k];
+      xs[i] = dst;
+    }
+  });
   const int8_t* wp = packed.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t ldy = y.stride(0), Kq = K / 4, stride = Kq * 32;
-  const int64_t mc = std::max<int64_t>(MT, XBLOCK_BYTES / K / MT * MT);
+  const int64_t ldy = y.stride(0), Kp = K / 2, stride = Kp * 16;
+  const int64_t mc = std::max<int64_t>(MT, XBLOCK_BYTES / (2 * K) / MT * MT);
   const int64_t pairs = (panels + MP - 1) / MP;
   const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(8, pairs / at::get_num_threads()));
   at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
@@ -129,8 +135,8 @@ void int8_linear(at::Tensor y, at::Tensor xq, at::Tensor packed, at::Tensor scal
         for (int64_t i = i0; i < i1; i += MT) {
           const int64_t n = std::min<int64_t>(MT, i1 - i);
           float* out = yp + i * ldy + p * PR;
-          if (np == 2) tokens<2>(n, wp + p * stride, stride, Kq, xs.data() + i, sp + p * PR, out, ldy, valid);
-          else tokens<1>(n, wp + p * stride, stride, Kq, xs.data() + i, sp + p * PR, out, ldy, valid);
+          if (np == 2) tokens<2>(n, wp + p * stride, stride, Kp, xs.data() + i, sp + p * PR, out, ldy, valid);
+          else tokens<1>(n, wp + p * stride, stride, Kp, xs.data() + i, sp + p * PR, out, ldy, valid);
         }
       }
     }
@@ -140,22 +146,20 @@ void int8_linear(at::Tensor y, at::Tensor xq, at::Tensor packed, at::Tensor scal
 #endif
 }
 
-// w int8 [rows, K] (K % 4 == 0) without -128 -> panels [ceil(rows / 8), K / 4 * 32]: row 8p + j's columns
-// 4q..4q+3 at [p][q * 32 + j * 4 ...], rows past the end zero
+// w int8 [rows, K] (K even) -> panels [ceil(rows / 8), K / 2 * 16]: row 8p + j's columns 2q, 2q + 1 at
+// [p][q * 16 + j * 2 ...], rows past the end zero
 at::Tensor int8_linear_pack(at::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar, "int8_linear_pack takes an int8 [rows, K] weight");
-  TORCH_CHECK(!w.eq(-128).any().item<bool>(), "int8_linear_pack: the weight holds -128, whose products with the "
-              "activations' magnitudes could saturate VPMADDUBSW's int16 sums");
-  TORCH_CHECK(w.size(1) % 4 == 0, "int8_linear_pack takes K a multiple of 4, got ", w.size(1));
-  const int64_t rows = w.size(0), K = w.size(1), panels = (rows + PR - 1) / PR, Kq = K / 4;
-  at::Tensor packed = at::zeros({panels, Kq * 32}, w.options());
+  TORCH_CHECK(w.size(1) % 2 == 0, "int8_linear_pack takes an even K, got ", w.size(1));
+  const int64_t rows = w.size(0), K = w.size(1), panels = (rows + PR - 1) / PR, Kp = K / 2;
+  at::Tensor packed = at::zeros({panels, Kp * 16}, w.options());
   const at::Tensor wc = w.contiguous();
   const int8_t* src = wc.data_ptr<int8_t>();
   int8_t* dst = packed.data_ptr<int8_t>();
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      int8_t* panel = dst + (r / PR) * Kq * 32 + (r % PR) * 4;
-      for (int64_t k = 0; k < K; ++k) panel[(k / 4) * 32 + k % 4] = src[r * K + k];
+      int8_t* panel = dst + (r / PR) * Kp * 16 + (r % PR) * 2;
+      for (int64_t k = 0; k < K; ++k) panel[(k / 2) * 16 + k % 2] = src[r * K + k];
     }
   });
   return packed;
