@@ -36,8 +36,15 @@ run: venv
 TEST_WORKERS ?= $(shell nproc)
 RAY_TEST_WORKERS ?= $(TEST_WORKERS)
 test: venv
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not ray and not deploy and not fuzz" tests
-	$(BIN)/python -m pytest -q -n $(RAY_TEST_WORKERS) --dist loadfile -m "ray and not deploy and not fuzz" tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not ray and not deploy and not fuzz and not heavy" tests
+	$(BIN)/python -m pytest -q -n $(RAY_TEST_WORKERS) --dist loadfile -m "ray and not deploy and not fuzz and not heavy" tests
+
+# The Ray tests that take tens of seconds each, kept out of `make test`'s 10 minutes: the benchmark harnesses
+# end to end (bench, driver capacity, replica scaling), a TP group rebuilt after a dead, raising and hung rank,
+# a replica healed after repeated worker deaths, two TP=2 replicas placed on faked NPUs (~2.5 minutes on 2 cores).
+.PHONY: test-heavy
+test-heavy: venv
+	$(BIN)/python -m pytest -q -n $(RAY_TEST_WORKERS) --dist loadfile -m "heavy" tests
 
 # vLLM's CPU build, the peer `raylm bench --compare vllm` measures against, in a venv of its own
 # (raylm never imports it). See ../shared/PEERS.md for why each step is needed.
@@ -56,7 +63,7 @@ $(PEERS_VENV)/.installed:
 
 # What needs no Ray: scheduler, workers, detokenizer, router, parsers (under a minute).
 test-fast: venv
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not ray and not deploy and not multiprocess and not slow and not fuzz" tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not ray and not deploy and not multiprocess and not slow and not fuzz and not heavy" tests
 
 # schemathesis against a running `raylm serve` (its own local Ray), every route of its OpenAPI schema, a
 # fixed seed; prints the requests sent, 5xx, hangs and replica deaths (~2 minutes of requests on 2 cores).

@@ -19,6 +19,7 @@ from workers.loader import random_model, weights_fingerprint
 pytestmark = pytest.mark.ray
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(900)  # seven contenders, each loading the model
 def test_offline_compare_and_device_outputs_ab(ray_session, tmp_path):
     out = tmp_path / "bench.json"
@@ -64,6 +65,7 @@ def test_offline_compare_and_device_outputs_ab(ray_session, tmp_path):
     assert doc["machine"]["cores"] >= 1
 
 
+@pytest.mark.heavy
 def test_engine_without_tokenizer_takes_token_ids_only(ray_session):
     with cluster.launch(RANDOM_1L, num_kv_blocks=32, threads_per_worker=1) as llm:
         assert llm.tokenizer is None
@@ -83,6 +85,7 @@ def test_engine_without_tokenizer_takes_token_ids_only(ray_session):
     assert math.isclose(fp, weights_fingerprint(random_model(RANDOM_1L)), rel_tol=1e-9)
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(600)
 def test_bench_reports_speculative_acceptance(ray_session, tmp_path):
     out = tmp_path / "bench.json"

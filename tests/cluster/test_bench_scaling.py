@@ -14,6 +14,7 @@ from workers.loader import bundled_model_path
 pytestmark = pytest.mark.ray
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(900)  # four engines started one after another
 def test_replica_scaling_and_serving_on_the_tiny_model(ray_session, tmp_path):
     out = tmp_path / "scale.json"

@@ -51,6 +51,7 @@ def test_fake_workers_answer_every_token_asked_through_the_real_engine(ray_sessi
         h.shutdown()
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(300)
 def test_the_driver_capacity_bench_prints_and_writes_both_sweeps(ray_session, tmp_path, capsys):
     out = tmp_path / "capacity.json"

@@ -93,6 +93,7 @@ def test_health_is_degraded_then_503_with_the_reason_and_requests_fail_fast(ray_
     assert [r["state"] for r in stats["replicas"]] == ["down", "down"] and stats["replicas_alive"] == 0
 
 
+@pytest.mark.heavy
 def test_a_replica_heals_after_repeated_worker_deaths(ray_session):
     with cluster.launch(num_kv_blocks=64, threads_per_worker=1, max_worker_restarts=2, restart_window_s=300,
                         restart_backoff_s=0.05, replica_cooldown_s=3) as llm:

@@ -54,6 +54,7 @@ def test_tp_that_does_not_divide_the_heads_is_refused_before_any_actor_starts(ra
         cluster.launch(tensor_parallel_size=0)
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(900)  # a Ray of its own and four actors
 def test_two_replicas_of_tp2_take_one_faked_npu_per_rank(expected):
     root = Path(__file__).resolve().parents[2]

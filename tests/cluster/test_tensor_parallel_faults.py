@@ -19,6 +19,7 @@ def expected():
     return hf_greedy_text(PROMPTS, N)
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(900)  # four engine starts of two actors each
 def test_a_rank_that_dies_raises_or_hangs_is_rebuilt_with_the_same_outputs(ray_session, expected, faulty_workers):
     with cluster.launch(num_kv_blocks=64, threads_per_worker=1, tensor_parallel_size=2, step_timeout_s=15.0) as llm:
