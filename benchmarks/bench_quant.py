@@ -9,7 +9,7 @@ Contenders: raylm's bare step loop (ModelRunner + Scheduler in this process, wha
 on the float checkpoint in float32, and on the W8A8 copy in each of --dtypes (the compute dtype of
 everything but the int8 GEMMs); vLLM (cluster/bench/vllm_peer.py, its venv by --peers-venv) on the
 W8A8 copy in the dtype it computes in on this CPU, and on the float checkpoint in float32. With
---rounds N the W8A8 contenders take turns N times (the order reversed every other round, vLLM's
+--rounds N raylm fp32 and the W8A8 contenders take turns N times (the order reversed every other round, vLLM's
 engine kept up between its runs) and their medians are the figures: on a host whose speed drifts
 from minute to minute, one run each compares two different moments. Prints
 each figure and the issue's ratios, how many greedy sequences and tokens raylm's W8A8 shares with
@@ -44,7 +44,8 @@ def main() -> None:
                          "has bf16 matmuls)")
     ap.add_argument("--w8a8", default=None, help="where the W8A8 copy is (written once; default DIR-w8a8)")
     ap.add_argument("--no-vllm", action="store_true")
-    ap.add_argument("--rounds", type=int, default=1, help="turns of the W8A8 contenders (medians are the figures)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="turns of raylm fp32 and the W8A8 contenders (medians are the figures)")
     a = ap.parse_args()
     save_checkpoint(a.model, a.checkpoint)
     w8a8 = a.w8a8 or a.checkpoint.rstrip("/") + "-w8a8"
@@ -68,11 +69,11 @@ def main() -> None:
         print(f"{name}: {fig['output_tok_s']:.2f} output tok/s", flush=True)
         return fig["output_tok_s"]
 
-    figs["raylm fp32"] = raylm("raylm fp32", a.checkpoint, "float32")
     held["raylm fp32"] = weight_bytes(a.checkpoint, "float32")
-    quant = {f"raylm w8a8 {d}": (lambda n=f"raylm w8a8 {d}", d=d: raylm(n, w8a8, d)) for d in dtypes}
-    for name, d in zip(quant, dtypes):
-        held[name] = weight_bytes(w8a8, d)
+    quant = {"raylm fp32": lambda: raylm("raylm fp32", a.checkpoint, "float32")}  # in the turns: its ratio's other term
+    quant.update({f"raylm w8a8 {d}": (lambda n=f"raylm w8a8 {d}", d=d: raylm(n, w8a8, d)) for d in dtypes})
+    for d in dtypes:
+        held[f"raylm w8a8 {d}"] = weight_bytes(w8a8, d)
     peer = None if a.no_vllm else start_vllm(a, w8a8, vllm_dtype)
     try:
         if peer is not None:
