@@ -167,8 +167,8 @@ def _onednn_scaled(xq: torch.Tensor, packed, scale: torch.Tensor) -> torch.Tenso
 
 
 def _fastest_exact(w: Int8Weight) -> str:
-    """The fastest path at _PROBE_ROWS rows whose sums are exact for all-(-128) operands (the
-    largest magnitude, 16384 * in, where 16-bit pair sums would saturate)."""
+    """The fastest path at _PROBE_ROWS rows among those that take this weight and whose sums are exact
+    on _exact's probe of extreme operands."""
     n, k = w.qweight.shape
     names = [name for name in INT8_PATHS if (name != "onednn-int8" or has_onednn_int8()) and _serves(name, w.qweight)]
     times = {}
