@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -33,13 +34,6 @@ constexpr int64_t PR = 8;                       // weight rows a panel holds
 constexpr int64_t XBLOCK_BYTES = 256 * 1024;    // x a block of tokens may take
 constexpr int MP = 2, MT = 4;                   // panels x tokens a micro-kernel call holds
 
-bool has_kernel() {
-#if defined(__AVX2__)
-  return true;
-#else
-  return false;
-#endif
-}
 
 #if defined(__AVX2__)
 // out[t * ldo + p * 8 + j] = float(sum_k w[p * 8 + j][k] * x[t][k]) * scale[p * 8 + j] for P panels, T tokens
@@ -109,13 +103,13 @@ void int8_linear(at::Tensor y, at::Tensor xq, at::Tensor packed, at::Tensor scal
               "y must be float32 [m, rows], rows contiguous");
   if (m == 0 || rows == 0) return;
   // the activations widened to int16 once, so a broadcast of 4 bytes is a column pair of a token
-  std::vector<int16_t> xw(m * K);
+  const std::unique_ptr<int16_t[]> xw(new int16_t[m * K]);  // every element written below: no zero fill
   std::vector<const int16_t*> xs(m);
   const int8_t* xp = xq.data_ptr<int8_t>();
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int8_t* src = xp + i * xq.stride(0);
-      int16_t* dst = xw.data() + i * K;
+      int16_t* dst = xw.get() + i * K;
       for (int64_t k = 0; k < K; ++k) dst[k] = src[k];
       xs[i] = dst;
     }
@@ -165,7 +159,13 @@ at::Tensor int8_linear_pack(at::Tensor w) {
   return packed;
 }
 
-bool int8_linear_available() { return has_kernel(); }
+bool int8_linear_available() {
+#if defined(__AVX2__)
+  return true;
+#else
+  return false;
+#endif
+}
 
 }  // namespace
 
