@@ -139,6 +139,12 @@ def test_fused_elementwise_kernels_round_bf16_and_fp16_where_the_reference_does(
         assert got.is_contiguous()
         # bf16: >= 99% bit for bit; fp16 (measured ~70-85%): within tolerance only, not yet exact
         assert_within_one_ulp(got, want, min_exact=0.99 if dtype == torch.bfloat16 else 0.6, ulp_check=False)
+    unit = (qkv.float() / 3).to(dtype)  # values of about 1, where the tolerance is an ulp at 1
+    q1, k1, _ = unit.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q1, k1 = q1.reshape(rows, heads, head_dim), k1.reshape(rows, kv_heads, head_dim)
+    for got, want in zip(ops.apply_rotary(q1, k1, cos, sin), ref.apply_rotary(q1, k1, cos, sin)):  # RoPE alone
+        assert got.is_contiguous()
+        assert_within_one_ulp(got, want, min_exact=0.99 if dtype == torch.bfloat16 else 0.6, ulp_check=False)
     assert_within_one_ulp(ops.rms_norm(q, qw, 1e-6), ref.rms_norm(q, qw, 1e-6))  # [T, H, D] view
     x, res = (torch.randn(rows, hidden, generator=gen).to(dtype) for _ in range(2))
     w = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)

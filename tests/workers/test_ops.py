@@ -289,6 +289,9 @@ def test_fused_cpu_elementwise_kernels_equal_the_reference_on_the_models_views(r
     for got, want in zip(fused, eager):
         assert got.is_contiguous()
         torch.testing.assert_close(got, want)
+    for got, want in zip(ops.apply_rotary(q, k, cos, sin), ref.apply_rotary(q, k, cos, sin)):  # no norm
+        assert got.is_contiguous()
+        torch.testing.assert_close(got, want)
     torch.testing.assert_close(ops.rms_norm(q, qw, 1e-6), ref.rms_norm(q, qw, 1e-6))  # [T, H, D] view
     x, res = torch.randn(rows, 256, generator=gen), torch.randn(rows, 256, generator=gen)
     w = torch.rand(256, generator=gen) + 0.5

@@ -151,6 +151,14 @@ class CPUOps(ReferenceOps):
         self.fused.qk_norm_rope(q_out, k_out, q, k, q_weight, k_weight, eps, cos, sin)
         return q_out, k_out
 
+    def apply_rotary(self, q, k, cos, sin):
+        if not self._fusable(q, k, cos, sin) or q.stride(1) != q.shape[2] or k.stride(1) != k.shape[2] \
+                or q.stride(2) != 1 or k.stride(2) != 1:
+            return super().apply_rotary(q, k, cos, sin)
+        q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
+        self.fused.qk_norm_rope(q_out, k_out, q, k, None, None, 0.0, cos, sin)
+        return q_out, k_out
+
     def silu_and_mul(self, x):
         # fp16: torch's own op (the kernel's fp16 rounding measured 17x slower than torch here)
         if not self._fusable(x) or x.dtype == torch.float16 or x.dim() != 2 or x.stride(1) != 1:

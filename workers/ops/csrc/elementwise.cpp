@@ -3,8 +3,8 @@
 //
 // - rms_norm / add_rms_norm: Qwen3RMSNorm (x * rsqrt(mean(x^2) + eps), then * weight), the
 //   residual add fused in front;
-// - qk_norm_rope: Qwen3's per-head q/k RMSNorm and neox rotary embedding, read from the qkv
-//   projection's output and written contiguous for attention;
+// - qk_norm_rope: Qwen3's per-head q/k RMSNorm and neox rotary embedding (or the rotary
+//   embedding alone), read from the qkv projection's output and written contiguous for attention;
 // - silu_and_mul: SwiGLU's silu(gate) * up over the fused gate/up output;
 // - quant_rows_int8 / quant_static_int8 / scale_rows: W8A8's activation quantization (per token,
 //   or by a static scale and offset) and the epilogue of its int8 GEMM (per-token scale, bias,
@@ -170,14 +170,17 @@ void add_rms_norm(at::Tensor out, at::Tensor sum, at::Tensor x, at::Tensor resid
   });
 }
 
-// per head: RMSNorm over head_dim, then rotate-half RoPE with this token's cos / sin; for bf16 /
-// fp16 as HF's x * cos + rotate_half(x) * sin: each product rounded, then their sum
+// per head: RMSNorm over head_dim (none where w is null), then rotate-half RoPE with this token's
+// cos / sin; for bf16 / fp16 as HF's x * cos + rotate_half(x) * sin: each product rounded, then their sum
 template <typename T>
 inline void norm_rope_head(S_t<T>* __restrict out, const S_t<T>* __restrict x, const S_t<T>* __restrict w,
                            const S_t<T>* __restrict cos, const S_t<T>* __restrict sin, int64_t d, float eps,
                            S_t<T>* __restrict tmp) {
   using E = Elem<T>;
-  norm_row<T>(tmp, x, w, d, eps);
+  if (w != nullptr)
+    norm_row<T>(tmp, x, w, d, eps);
+  else
+    std::memcpy(tmp, x, d * sizeof(S_t<T>));
   const int64_t half = d / 2;
   if constexpr (std::is_same_v<T, float>) {
 #pragma omp simd
@@ -195,8 +198,9 @@ inline void norm_rope_head(S_t<T>* __restrict out, const S_t<T>* __restrict x, c
   }
 }
 
-void qk_norm_rope(at::Tensor q_out, at::Tensor k_out, at::Tensor q, at::Tensor k, at::Tensor q_weight,
-                  at::Tensor k_weight, double eps, at::Tensor cos, at::Tensor sin) {
+// q_weight / k_weight absent: RoPE alone (a model without q/k norms: an EAGLE-3 head)
+void qk_norm_rope(at::Tensor q_out, at::Tensor k_out, at::Tensor q, at::Tensor k, std::optional<at::Tensor> q_weight,
+                  std::optional<at::Tensor> k_weight, double eps, at::Tensor cos, at::Tensor sin) {
   const auto dt = q.scalar_type();
   for (const auto* t : {&q, &k, &cos, &sin}) check_rows(*t, "q / k / cos / sin", dt);
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2),
@@ -210,9 +214,11 @@ void qk_norm_rope(at::Tensor q_out, at::Tensor k_out, at::Tensor q, at::Tensor k
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == t && cos.size(1) == d && sin.sizes() == cos.sizes() &&
                   cos.stride(0) == sin.stride(0),
               "cos / sin must be [T, D]");
-  TORCH_CHECK(q_weight.numel() == d && k_weight.numel() == d && q_weight.is_contiguous() && k_weight.is_contiguous() &&
-                  q_weight.scalar_type() == dt && k_weight.scalar_type() == dt,
-              "q / k norm weights must be contiguous [D] of q's dtype");
+  TORCH_CHECK(q_weight.has_value() == k_weight.has_value(), "q / k norm weights: both or neither");
+  if (q_weight)
+    TORCH_CHECK(q_weight->numel() == d && k_weight->numel() == d && q_weight->is_contiguous() &&
+                    k_weight->is_contiguous() && q_weight->scalar_type() == dt && k_weight->scalar_type() == dt,
+                "q / k norm weights must be contiguous [D] of q's dtype");
   const int64_t qs = q.stride(0), ks = k.stride(0), cs = cos.stride(0);
   const float e = static_cast<float>(eps);
   dispatch(q, [&](auto tag) {
@@ -221,8 +227,8 @@ void qk_norm_rope(at::Tensor q_out, at::Tensor k_out, at::Tensor q, at::Tensor k
     const auto* kp = in_ptr<T>(k);
     const auto* cp = in_ptr<T>(cos);
     const auto* sp = in_ptr<T>(sin);
-    const auto* qw = in_ptr<T>(q_weight);
-    const auto* kw = in_ptr<T>(k_weight);
+    const S_t<T>* qw = q_weight ? in_ptr<T>(*q_weight) : nullptr;
+    const S_t<T>* kw = k_weight ? in_ptr<T>(*k_weight) : nullptr;
     auto* qo = out_ptr<T>(q_out);
     auto* ko = out_ptr<T>(k_out);
     at::parallel_for(0, t, grain_rows((nh + nkv) * d), [&](int64_t b, int64_t end) {
@@ -365,7 +371,7 @@ void scale_rows(at::Tensor out, at::Tensor acc, std::optional<at::Tensor> row_sc
 TORCH_LIBRARY_FRAGMENT(raylm, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) sum, Tensor x, Tensor residual, Tensor weight, float eps) -> ()");
-  m.def("qk_norm_rope(Tensor(a!) q_out, Tensor(b!) k_out, Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, "
+  m.def("qk_norm_rope(Tensor(a!) q_out, Tensor(b!) k_out, Tensor q, Tensor k, Tensor? q_weight, Tensor? k_weight, "
         "float eps, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("quant_rows_int8(Tensor(a!) out, Tensor(b!) scales, Tensor x) -> ()");
