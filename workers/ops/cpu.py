@@ -15,6 +15,9 @@ with benchmarks/bench_gemm.py --packed (figures in docs/benchmarks.md):
   where that measures as fast at every batch size: the lm_head, whose rows a tied embedding's lookups
   then read, and whose greedy argmax is fused;
 - fp16, and bf16 elsewhere: "aten" (F.linear).
+A small weight (a tiny model's, a draft's, an EAGLE-3 head's: up to SMALL_MAX_ELEMENTS) is also kept
+plain, for F.linear at the batch sizes where it measures faster here (the packed GEMM's fixed cost a
+call, 12-15 us in oneDNN on an AMX Xeon, is most of such a weight's time at a few rows): ByRows.
 RAYLM_CPU_LINEAR=aten|mkl-packed|onednn-packed overrides the choice; mkl-packed falls back to aten where
 the op is absent. An fp32 weight whose values are all bf16 values (a bf16 checkpoint computing in
 fp32) is also, or instead, read at bf16's width by raylm's narrow linear, as measured per weight
@@ -45,7 +48,7 @@ from workers.ops.base import QuantLinear
 from workers.ops.cpu_attention import make_cpu_attention
 from workers.ops.cpu_features import cpu_class, has_mkl_packed_linear, has_onednn_packed_linear
 from workers.ops.cpu_moe import CPUMoE
-from workers.ops.cpu_narrow import ALL, NarrowWeight, bf16_copy, choose_rows, forced_rows, narrow_linear
+from workers.ops.cpu_narrow import ALL, PROBE_ROWS, NarrowWeight, bf16_copy, choose_rows, forced_rows, narrow_linear
 from workers.ops.cpu_quant import Int4Paths, Int8Paths
 from workers.ops.kernel_choices import remembered
 from workers.ops.reference import ReferenceOps
@@ -57,6 +60,16 @@ FP32_LINEAR = {"amx_bf16": "onednn-packed", "avx512_bf16": "onednn-packed", "avx
 # the bf16 linear path per CPU class (where bf16 has native dot products); others run F.linear
 BF16_LINEAR = {"amx_bf16": "onednn-packed", "avx512_bf16": "onednn-packed"}
 _MKL_BATCH = 64  # the batch size hint MKL's packing takes (rows it is tuned for)
+# a weight of up to this many elements may be kept plain beside its packed copy (1 MiB in fp32): a
+# tiny model's, an EAGLE-3 head's, a draft's; real layers' weights are larger and keep one copy
+SMALL_MAX_ELEMENTS = 1 << 18
+# how much faster F.linear must measure at a batch size to serve it: a choice near a tie would flip
+# from one start to the next (both sum in other orders: greedy outputs would change at near-ties)
+PLAIN_MARGIN = 1.2
+# per small weight's shape, dtype, path and thread count: the crossover measured in this process,
+# which every table here takes (a draft and its target, a quantized model and its float original
+# prepare the same shapes: one choice, as a shape near the margin would otherwise get two)
+_PLAIN_ROWS: dict[tuple, int] = {}
 ELEMENTWISE_ENV = "RAYLM_CPU_ELEMENTWISE"
 
 
@@ -98,6 +111,17 @@ class OneDNNPackedWeight:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _MKL_BATCH)
         self.bias = bias
         self.out_features = weight.shape[0]
+
+
+class ByRows:
+    """A small weight prepared twice: plain for F.linear at batches of up to max_rows rows, where
+    the packed GEMM's fixed cost a call is most of its time, and the packed handle past them."""
+
+    def __init__(self, plain: tuple, packed, max_rows: int) -> None:
+        self.plain, self.packed, self.max_rows = plain, packed, max_rows
+
+    def pick(self, x: torch.Tensor):
+        return self.plain if x.numel() <= self.max_rows * x.shape[-1] else self.packed
 
 
 class CPUOps(ReferenceOps):
@@ -168,23 +192,55 @@ class CPUOps(ReferenceOps):
         return out
 
     def prepare_linear(self, weight, bias=None):
-        if linear_path(weight.dtype) == "onednn-packed" and cpu_amx.qualifies(cpu_kernels.load(), weight):
+        path = linear_path(weight.dtype)
+        if path == "onednn-packed" and cpu_amx.qualifies(cpu_kernels.load(), weight):
             return self._amx_or_wide(weight, bias)
         narrow = self._narrow_copy(weight)
-        rows = None if narrow is None else forced_rows()
-        if rows is None and narrow is not None:
+        if narrow is None:
+            return self._plain_or_packed(weight, bias)
+        rows = forced_rows()
+        if rows is None:
             rows = self.narrow_rows.get(tuple(weight.shape))  # a shape measured already
         if rows == ALL:  # the bf16 copy alone: no wide one is made
             return self._narrow(None, narrow, weight, bias, ALL)
         handle = self._wide(weight, bias)
-        if narrow is not None and rows is None:
-            rows = self.agree(remembered("narrow_rows", (*weight.shape, linear_path(weight.dtype)), lambda: choose_rows(
-                cpu_kernels.load(), self.linear, handle, narrow, weight.shape[0])))
+        if rows is None:
+            kernels = cpu_kernels.load()
+            probe = NarrowWeight(handle, narrow, weight.shape[0], None, max(PROBE_ROWS))
+            rows = self.agree(remembered("narrow_rows", (*weight.shape, path), lambda: choose_rows(
+                lambda x: narrow_linear(kernels, x, probe), lambda x: self.linear(x, handle), *weight.shape)))
             self.narrow_rows[tuple(weight.shape)] = rows
         if rows == ALL:
             return self._narrow(None, narrow, weight, bias, ALL)  # the wide copy made to measure is dropped
-        self.linear_paths.add(linear_path(weight.dtype))
-        return handle if narrow is None or rows == 0 else self._narrow(handle, narrow, weight, bias, rows)
+        self.linear_paths.add(path)
+        return handle if rows == 0 else self._narrow(handle, narrow, weight, bias, rows)
+
+    def _plain_or_packed(self, weight, bias):
+        """A weight for the library GEMM of its dtype; a small one (up to SMALL_MAX_ELEMENTS) on a
+        packed path, unless RAYLM_CPU_LINEAR forces one, also kept plain for F.linear at batches of up
+        to the crossover measured here (ByRows)."""
+        path = linear_path(weight.dtype)
+        handle = self._wide(weight, bias)
+        if path == "aten" or weight.numel() > SMALL_MAX_ELEMENTS or "RAYLM_CPU_LINEAR" in os.environ:
+            self.linear_paths.add(path)
+            return handle
+        plain = (weight.contiguous(), bias)
+        key = (*weight.shape, str(weight.dtype).removeprefix("torch."), path)
+        rows = _PLAIN_ROWS.get((*key, torch.get_num_threads()))
+        if rows is None:
+            rows = remembered("plain_rows", key, lambda: choose_rows(
+                lambda x: F.linear(x, *plain), lambda x: self.linear(x, handle), *weight.shape,
+                tolerance=1.0, margin=PLAIN_MARGIN, dtype=weight.dtype))
+            _PLAIN_ROWS[(*key, torch.get_num_threads())] = rows
+        rows = self.agree(rows)
+        if rows == ALL:
+            self.linear_paths.add("aten")
+            return plain
+        self.linear_paths.add(path)
+        if rows == 0:
+            return handle
+        self.linear_paths.add(f"aten(<={rows} rows)")
+        return ByRows(plain, handle, rows)
 
     def _amx_or_wide(self, weight, bias):
         """A bf16 weight in raylm's AMX packing, or oneDNN's, whichever measured faster for its shape
@@ -224,6 +280,8 @@ class CPUOps(ReferenceOps):
     def linear(self, x, handle):
         if isinstance(handle, QuantLinear):
             return handle(x)
+        if isinstance(handle, ByRows):
+            handle = handle.pick(x)
         if isinstance(handle, cpu_amx.AMXWeight):
             return cpu_amx.linear(cpu_kernels.load(), x, handle)
         if isinstance(handle, NarrowWeight):
@@ -240,6 +298,8 @@ class CPUOps(ReferenceOps):
         return F.linear(x, weight, bias)
 
     def linear_argmax(self, x, handle, n):
+        if isinstance(handle, ByRows):
+            handle = handle.pick(x)
         if isinstance(handle, cpu_amx.AMXWeight) and handle.bias is None and x.dim() == 2:
             return cpu_kernels.load().amx_linear_argmax(x.contiguous(), handle.packed, n)
         if isinstance(handle, NarrowWeight) and handle.bias is None and x.dim() == 2 and handle.takes(x):
@@ -250,6 +310,8 @@ class CPUOps(ReferenceOps):
         return kernels.argmax_rows(self.linear(x, handle), n)  # logits, then raylm's argmax over them
 
     def linear_rows(self, handle, ids, out):
+        if isinstance(handle, ByRows):
+            handle = handle.plain
         if isinstance(handle, cpu_amx.AMXWeight):
             if out.dtype not in (torch.bfloat16, torch.float32) or out.stride(1) != 1:
                 return None
@@ -263,6 +325,8 @@ class CPUOps(ReferenceOps):
         return super().linear_rows(handle, ids, out)
 
     def linear_into(self, x, handle, out):
+        if isinstance(handle, ByRows):
+            handle = handle.pick(x)
         if isinstance(handle, cpu_amx.AMXWeight):
             if x.dim() == 2 and out.dtype in (torch.bfloat16, torch.float32) and out.stride(1) == 1 \
                     and handle.bias is None:

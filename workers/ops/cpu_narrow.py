@@ -92,24 +92,24 @@ def packed_linear(op, x: torch.Tensor, packed: torch.Tensor, out_features: int, 
     return y if out is not None or x.dim() == 2 else y.view(*x.shape[:-1], out_features)
 
 
-def choose_rows(kernels, wide_linear, wide, narrow: torch.Tensor, out_features: int) -> int:
-    """Measured on this CPU: ALL (narrow only), the largest probed batch size up to which the bf16
-    path measured faster than the wide one, or 0 (wide only). Each probe is the best of three timed
-    calls after a warm one, and of five more of each where the bf16 copy lost by more than TOLERANCE."""
-    probe = NarrowWeight(wide, narrow, out_features, None, max(PROBE_ROWS))
-    in_features = narrow.shape[1]
+def choose_rows(mine, theirs, out_features: int, in_features: int, tolerance: float = TOLERANCE,
+                margin: float = 1.0, dtype: torch.dtype = torch.float32) -> int:
+    """Measured on this CPU for one linear [out_features, in_features] computed two ways, mine(x)
+    and theirs(x) for x [rows, in_features] in dtype: ALL where mine never measured slower than theirs by
+    more than `tolerance`, else the largest probed batch size up to which mine measured faster by
+    `margin` (and at every probe before it), or 0. Each probe is the best of three timed calls after
+    a warm one, and of five more of each where mine lost by more than `tolerance`."""
     crossover, always = 0, True
     for rows in PROBE_ROWS:
         if rows > 1 and rows * out_features * in_features > PROBE_MAX_MACS:
             break
-        x = torch.randn(rows, in_features)
-        mine = best_of(lambda: narrow_linear(kernels, x, probe), runs=3)  # noqa: B023 (called at once)
-        theirs = best_of(lambda: wide_linear(x, wide), runs=3)  # noqa: B023
-        if mine > theirs * TOLERANCE:  # timed again before it decides: a busy moment of the host is not the kernel
-            mine = min(mine, best_of(lambda: narrow_linear(kernels, x, probe), runs=5))  # noqa: B023
-            theirs = min(theirs, best_of(lambda: wide_linear(x, wide), runs=5))  # noqa: B023
-        always = always and mine <= theirs * TOLERANCE
-        if mine < theirs and crossover == rows_before(rows):
+        x = torch.randn(rows, in_features, dtype=dtype)
+        a, b = best_of(lambda: mine(x), runs=3), best_of(lambda: theirs(x), runs=3)  # noqa: B023 (called at once)
+        if a > b * tolerance:  # timed again before it decides: a busy moment of the host is not the kernel
+            a = min(a, best_of(lambda: mine(x), runs=5))  # noqa: B023
+            b = min(b, best_of(lambda: theirs(x), runs=5))  # noqa: B023
+        always = always and a <= b * tolerance
+        if a * margin < b and crossover == rows_before(rows):
             crossover = rows
     return ALL if always else crossover
 
