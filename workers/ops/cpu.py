@@ -17,7 +17,7 @@ with benchmarks/bench_gemm.py --packed (figures in docs/benchmarks.md):
 - fp16, and bf16 elsewhere: "aten" (F.linear).
 A small weight (a tiny model's, a draft's, an EAGLE-3 head's: up to SMALL_MAX_ELEMENTS) is also kept
 plain, for F.linear at the batch sizes where it measures faster here (the packed GEMM's fixed cost a
-call, 12-15 us in oneDNN on an AMX Xeon, is most of such a weight's time at a few rows): ByRows.
+call can be most of such a weight's time at a few rows): ByRows.
 RAYLM_CPU_LINEAR=aten|mkl-packed|onednn-packed overrides the choice; mkl-packed falls back to aten where
 the op is absent. An fp32 weight whose values are all bf16 values (a bf16 checkpoint computing in
 fp32) is also, or instead, read at bf16's width by raylm's narrow linear, as measured per weight
@@ -220,14 +220,15 @@ class CPUOps(ReferenceOps):
         packed path, unless RAYLM_CPU_LINEAR forces one, also kept plain for F.linear at batches of up
         to the crossover measured here (ByRows)."""
         path = linear_path(weight.dtype)
-        handle = self._wide(weight, bias)
         if path == "aten" or weight.numel() > SMALL_MAX_ELEMENTS or "RAYLM_CPU_LINEAR" in os.environ:
             self.linear_paths.add(path)
-            return handle
+            return self._wide(weight, bias)
         plain = (weight.contiguous(), bias)
         key = (*weight.shape, str(weight.dtype).removeprefix("torch."), path)
         rows = _PLAIN_ROWS.get((*key, torch.get_num_threads()))
+        handle = None
         if rows is None:
+            handle = self._wide(weight, bias)
             rows = remembered("plain_rows", key, lambda: choose_rows(
                 lambda x: F.linear(x, *plain), lambda x: self.linear(x, handle), *weight.shape,
                 tolerance=1.0, margin=PLAIN_MARGIN, dtype=weight.dtype))
@@ -237,6 +238,8 @@ class CPUOps(ReferenceOps):
             self.linear_paths.add("aten")
             return plain
         self.linear_paths.add(path)
+        if handle is None:  # the choice was made before: no copy was packed to measure
+            handle = self._wide(weight, bias)
         if rows == 0:
             return handle
         self.linear_paths.add(f"aten(<={rows} rows)")
