@@ -15,9 +15,10 @@ with benchmarks/bench_gemm.py --packed (figures in docs/benchmarks.md):
   where that measures as fast at every batch size: the lm_head, whose rows a tied embedding's lookups
   then read, and whose greedy argmax is fused;
 - fp16, and bf16 elsewhere: "aten" (F.linear).
-A small weight (a tiny model's, a draft's, an EAGLE-3 head's: up to SMALL_MAX_ELEMENTS) is also kept
-plain, for F.linear at the batch sizes where it measures faster here (the packed GEMM's fixed cost a
-call can be most of such a weight's time at a few rows): ByRows.
+A small weight (a tiny model's, a draft's, an EAGLE-3 head's, a MoE router's: up to SMALL_MAX_ELEMENTS)
+is instead kept plain for F.linear where that measures no more than PLAIN_TOLERANCE slower at any batch
+size probed (the packed GEMM's fixed cost a call can be most of such a weight's time at a few rows);
+one copy either way.
 RAYLM_CPU_LINEAR=aten|mkl-packed|onednn-packed overrides the choice; mkl-packed falls back to aten where
 the op is absent. An fp32 weight whose values are all bf16 values (a bf16 checkpoint computing in
 fp32) is also, or instead, read at bf16's width by raylm's narrow linear, as measured per weight
@@ -63,13 +64,12 @@ _MKL_BATCH = 64  # the batch size hint MKL's packing takes (rows it is tuned for
 # a weight of up to this many elements may be kept plain beside its packed copy (1 MiB in fp32): a
 # tiny model's, an EAGLE-3 head's, a draft's; real layers' weights are larger and keep one copy
 SMALL_MAX_ELEMENTS = 1 << 18
-# how much faster F.linear must measure at a batch size to serve it: a choice near a tie would flip
-# from one start to the next (both sum in other orders: greedy outputs would change at near-ties)
-PLAIN_MARGIN = 1.2
-# per small weight's shape, dtype, path and thread count: the crossover measured in this process,
-# which every table here takes (a draft and its target, a quantized model and its float original
-# prepare the same shapes: one choice, as a shape near the margin would otherwise get two)
-_PLAIN_ROWS: dict[tuple, int] = {}
+# how much slower than the packed GEMM F.linear may measure at a probe and still serve a small weight
+PLAIN_TOLERANCE = 1.25
+# per small weight's shape, dtype, path and thread count: whether F.linear serves it, as measured in
+# this process, which every table here takes (a draft and its target, a quantized model and its float
+# original prepare the same shapes: one choice, as a shape near the bound would otherwise get two)
+_PLAIN: dict[tuple, bool] = {}
 ELEMENTWISE_ENV = "RAYLM_CPU_ELEMENTWISE"
 
 
@@ -111,17 +111,6 @@ class OneDNNPackedWeight:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _MKL_BATCH)
         self.bias = bias
         self.out_features = weight.shape[0]
-
-
-class ByRows:
-    """A small weight prepared twice: plain for F.linear at batches of up to max_rows rows, where
-    the packed GEMM's fixed cost a call is most of its time, and the packed handle past them."""
-
-    def __init__(self, plain: tuple, packed, max_rows: int) -> None:
-        self.plain, self.packed, self.max_rows = plain, packed, max_rows
-
-    def pick(self, x: torch.Tensor):
-        return self.plain if x.numel() <= self.max_rows * x.shape[-1] else self.packed
 
 
 class CPUOps(ReferenceOps):
@@ -217,33 +206,27 @@ class CPUOps(ReferenceOps):
 
     def _plain_or_packed(self, weight, bias):
         """A weight for the library GEMM of its dtype; a small one (up to SMALL_MAX_ELEMENTS) on a
-        packed path, unless RAYLM_CPU_LINEAR forces one, also kept plain for F.linear at batches of up
-        to the crossover measured here (ByRows)."""
+        packed path, unless RAYLM_CPU_LINEAR forces one, kept plain for F.linear instead where that
+        measures about as fast here at every batch size probed."""
         path = linear_path(weight.dtype)
         if path == "aten" or weight.numel() > SMALL_MAX_ELEMENTS or "RAYLM_CPU_LINEAR" in os.environ:
             self.linear_paths.add(path)
             return self._wide(weight, bias)
         plain = (weight.contiguous(), bias)
         key = (*weight.shape, str(weight.dtype).removeprefix("torch."), path)
-        rows = _PLAIN_ROWS.get((*key, torch.get_num_threads()))
+        chosen = _PLAIN.get((*key, torch.get_num_threads()))
         handle = None
-        if rows is None:
+        if chosen is None:
             handle = self._wide(weight, bias)
-            rows = remembered("plain_rows", key, lambda: choose_rows(
+            chosen = remembered("plain", key, lambda: choose_rows(
                 lambda x: F.linear(x, *plain), lambda x: self.linear(x, handle), *weight.shape,
-                tolerance=1.0, margin=PLAIN_MARGIN, dtype=weight.dtype))
-            _PLAIN_ROWS[(*key, torch.get_num_threads())] = rows
-        rows = self.agree(rows)
-        if rows == ALL:
+                tolerance=PLAIN_TOLERANCE, dtype=weight.dtype) == ALL)
+            _PLAIN[(*key, torch.get_num_threads())] = bool(chosen)
+        if self.agree(int(chosen)):
             self.linear_paths.add("aten")
             return plain
         self.linear_paths.add(path)
-        if handle is None:  # the choice was made before: no copy was packed to measure
-            handle = self._wide(weight, bias)
-        if rows == 0:
-            return handle
-        self.linear_paths.add(f"aten(<={rows} rows)")
-        return ByRows(plain, handle, rows)
+        return handle if handle is not None else self._wide(weight, bias)
 
     def _amx_or_wide(self, weight, bias):
         """A bf16 weight in raylm's AMX packing, or oneDNN's, whichever measured faster for its shape
@@ -283,8 +266,6 @@ class CPUOps(ReferenceOps):
     def linear(self, x, handle):
         if isinstance(handle, QuantLinear):
             return handle(x)
-        if isinstance(handle, ByRows):
-            handle = handle.pick(x)
         if isinstance(handle, cpu_amx.AMXWeight):
             return cpu_amx.linear(cpu_kernels.load(), x, handle)
         if isinstance(handle, NarrowWeight):
@@ -301,8 +282,6 @@ class CPUOps(ReferenceOps):
         return F.linear(x, weight, bias)
 
     def linear_argmax(self, x, handle, n):
-        if isinstance(handle, ByRows):
-            handle = handle.pick(x)
         if isinstance(handle, cpu_amx.AMXWeight) and handle.bias is None and x.dim() == 2:
             return cpu_kernels.load().amx_linear_argmax(x.contiguous(), handle.packed, n)
         if isinstance(handle, NarrowWeight) and handle.bias is None and x.dim() == 2 and handle.takes(x):
@@ -313,8 +292,6 @@ class CPUOps(ReferenceOps):
         return kernels.argmax_rows(self.linear(x, handle), n)  # logits, then raylm's argmax over them
 
     def linear_rows(self, handle, ids, out):
-        if isinstance(handle, ByRows):
-            handle = handle.plain
         if isinstance(handle, cpu_amx.AMXWeight):
             if out.dtype not in (torch.bfloat16, torch.float32) or out.stride(1) != 1:
                 return None
@@ -328,8 +305,6 @@ class CPUOps(ReferenceOps):
         return super().linear_rows(handle, ids, out)
 
     def linear_into(self, x, handle, out):
-        if isinstance(handle, ByRows):
-            handle = handle.pick(x)
         if isinstance(handle, cpu_amx.AMXWeight):
             if x.dim() == 2 and out.dtype in (torch.bfloat16, torch.float32) and out.stride(1) == 1 \
                     and handle.bias is None:
