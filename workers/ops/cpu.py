@@ -61,8 +61,8 @@ FP32_LINEAR = {"amx_bf16": "onednn-packed", "avx512_bf16": "onednn-packed", "avx
 # the bf16 linear path per CPU class (where bf16 has native dot products); others run F.linear
 BF16_LINEAR = {"amx_bf16": "onednn-packed", "avx512_bf16": "onednn-packed"}
 _MKL_BATCH = 64  # the batch size hint MKL's packing takes (rows it is tuned for)
-# a weight of up to this many elements may be kept plain beside its packed copy (1 MiB in fp32): a
-# tiny model's, an EAGLE-3 head's, a draft's; real layers' weights are larger and keep one copy
+# a weight of up to this many elements (1 MiB in fp32: a tiny model's, a draft's, an EAGLE-3 head's, a
+# MoE router's) may be kept plain for F.linear instead of packed; a real model's projections are larger
 SMALL_MAX_ELEMENTS = 1 << 18
 # how much slower than the packed GEMM F.linear may measure at a probe and still serve a small weight
 PLAIN_TOLERANCE = 1.25
@@ -157,19 +157,21 @@ class CPUOps(ReferenceOps):
         return out, s
 
     def qk_norm_rope(self, q, k, q_weight, k_weight, eps, cos, sin):
-        if not self._fusable(q, k, q_weight, k_weight, cos, sin) or q.stride(1) != q.shape[2] \
-                or k.stride(1) != k.shape[2] or q.stride(2) != 1 or k.stride(2) != 1:
-            return super().qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)
-        q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
-        self.fused.qk_norm_rope(q_out, k_out, q, k, q_weight, k_weight, eps, cos, sin)
-        return q_out, k_out
+        fused = self._norm_rope(q, k, q_weight, k_weight, eps, cos, sin)
+        return fused or super().qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)
 
     def apply_rotary(self, q, k, cos, sin):
-        if not self._fusable(q, k, cos, sin) or q.stride(1) != q.shape[2] or k.stride(1) != k.shape[2] \
+        return self._norm_rope(q, k, None, None, 0.0, cos, sin) or super().apply_rotary(q, k, cos, sin)
+
+    def _norm_rope(self, q, k, q_weight, k_weight, eps, cos, sin):
+        """The fused kernel's (q, k): per-head RMSNorm (where weights are given) and RoPE, written
+        contiguous; None where it does not take these tensors (each token's heads must be packed)."""
+        norms = () if q_weight is None else (q_weight, k_weight)
+        if not self._fusable(q, k, *norms, cos, sin) or q.stride(1) != q.shape[2] or k.stride(1) != k.shape[2] \
                 or q.stride(2) != 1 or k.stride(2) != 1:
-            return super().apply_rotary(q, k, cos, sin)
+            return None
         q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
-        self.fused.qk_norm_rope(q_out, k_out, q, k, None, None, 0.0, cos, sin)
+        self.fused.qk_norm_rope(q_out, k_out, q, k, q_weight, k_weight, eps, cos, sin)
         return q_out, k_out
 
     def silu_and_mul(self, x):

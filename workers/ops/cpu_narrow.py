@@ -93,11 +93,11 @@ def packed_linear(op, x: torch.Tensor, packed: torch.Tensor, out_features: int, 
 
 
 def choose_rows(mine, theirs, out_features: int, in_features: int, tolerance: float = TOLERANCE,
-                margin: float = 1.0, dtype: torch.dtype = torch.float32) -> int:
+                dtype: torch.dtype = torch.float32) -> int:
     """Measured on this CPU for one linear [out_features, in_features] computed two ways, mine(x)
     and theirs(x) for x [rows, in_features] in dtype: ALL where mine never measured slower than theirs by
-    more than `tolerance`, else the largest probed batch size up to which mine measured faster by
-    `margin` (and at every probe before it), or 0. Each probe is the best of three timed calls after
+    more than `tolerance`, else the largest probed batch size up to which mine measured faster (and
+    at every probe before it), or 0. Each probe is the best of three timed calls after
     a warm one, and of five more of each where mine lost by more than `tolerance`."""
     crossover, always = 0, True
     for rows in PROBE_ROWS:
@@ -109,7 +109,7 @@ def choose_rows(mine, theirs, out_features: int, in_features: int, tolerance: fl
             a = min(a, best_of(lambda: mine(x), runs=5))  # noqa: B023
             b = min(b, best_of(lambda: theirs(x), runs=5))  # noqa: B023
         always = always and a <= b * tolerance
-        if a * margin < b and crossover == rows_before(rows):
+        if a < b and crossover == rows_before(rows):
             crossover = rows
     return ALL if always else crossover
 

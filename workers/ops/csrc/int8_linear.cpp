@@ -34,7 +34,6 @@ constexpr int64_t PR = 8;                       // weight rows a panel holds
 constexpr int64_t XBLOCK_BYTES = 256 * 1024;    // x a block of tokens may take
 constexpr int MP = 2, MT = 4;                   // panels x tokens a micro-kernel call holds
 
-
 #if defined(__AVX2__)
 // out[t * ldo + p * 8 + j] = float(sum_k w[p * 8 + j][k] * x[t][k]) * scale[p * 8 + j] for P panels, T tokens
 // (rows of int16), Kp pairs of columns; `valid` rows of the last panel stored
