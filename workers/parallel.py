@@ -155,6 +155,17 @@ class TensorParallel:
         """Rank 0's `value` on every rank (OpTable.agree: one measured kernel choice for all)."""
         return self._int_collective(value, lambda t: torch.distributed.broadcast(t, group_src=0, group=self.group))
 
+    def every_rank(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank (OpTable.agree_all)."""
+        return bool(self.all_reduce_min(int(flag)))
+
+    def share_choices(self, ops) -> None:
+        """Make `ops`' measured kernel choices the group's: rank 0's choice on every rank, and a
+        path that weight values qualify for only where every rank's shard does. Every rank must
+        then prepare the same weights in the same order (their collectives pair up)."""
+        if self.enabled:
+            ops.agree, ops.agree_all = self.first_rank_value, self.every_rank
+
     def _int_collective(self, value: int, op) -> int:
         """op over a one-int tensor on the group's device (a host one for gloo); identity on one rank."""
         if not self.enabled:

@@ -115,6 +115,7 @@ class ModelRunner:
         mc = model.config
         self.vocab_size = min(mc.vocab_size, tokenizer_size or mc.vocab_size)  # the real vocab
         self.ops = get_op_table(self.device, config.ops)
+        parallel.share_choices(self.ops)  # a replicated weight (a MoE router) computes alike on every rank
         if self.ops.name == "npu":
             check_npu_block_size(config.block_size)  # the fused kernels refuse other sizes
         with torch.no_grad():
@@ -135,11 +136,10 @@ class ModelRunner:
         # a draft model's or head's weights load before the KV pools are sized, which count its pool
         self.drafter: DraftModel | Eagle3Drafter | None = None
         self.eagle: Eagle3Drafter | None = None  # the head that reads each step's aux hidden states
-        # every rank runs the whole drafter: its table takes rank 0's kernel choices, so all draft alike
-        # (a rank's own shards may run whatever it measured: the all-reduce gives every rank one sum)
+        # every rank runs the whole drafter: its table takes the group's kernel choices, so all draft alike
         if self.speculative is not None and self.speculative.method in ("draft_model", "eagle3"):
             draft_ops = get_op_table(self.device, config.ops)
-            draft_ops.agree = parallel.first_rank_value
+            parallel.share_choices(draft_ops)
         if self.speculative is not None and self.speculative.method == "draft_model":
             self.drafter = DraftModel(self.speculative.model, ops=draft_ops, dtype=self.model.dtype, device=self.device,
                                       vocab_size=self.vocab_size, target_vocab=mc.vocab_size)

@@ -156,26 +156,43 @@ def test_shapes_that_do_not_divide_are_named(world, named):
         ShardedShape.of(config, _Rank(0, 4))
 
 
-def _first_rank_value(rank: int, port: int, out) -> None:
+def _shared_choices(rank: int, port: int, out) -> None:
+    """One rank: prepares weights whose kernel choice it measures its own way (a fake measurement,
+    different on each rank) and whose values qualify for the narrow copy on rank 0 only."""
+    from workers.ops import cpu, cpu_kernels, get_op_table
     from workers.parallel import ParallelConfig
 
+    cpu._PLAIN.clear()
+    cpu.choose_rows = lambda *a, **kw: cpu.ALL if rank == 0 else 0  # rank 0: F.linear / narrow always
     parallel = TensorParallel.join(ParallelConfig(rank, 2, "127.0.0.1", port, timeout_s=120), "cpu")
     try:
-        out.put((rank, parallel.first_rank_value(10 + rank)))
+        ops = get_op_table("cpu", "cpu")
+        parallel.share_choices(ops)
+        gen = torch.Generator().manual_seed(rank)
+        router = torch.randn(64, 32, generator=gen)  # small: F.linear or packed, by measurement
+        shard = torch.randn(1024, 512, generator=gen).bfloat16().float()  # bf16 values: narrow qualifies
+        if rank == 1:
+            shard[0, 0] += 1e-3  # no longer a bf16 value: this rank's shard does not qualify
+        both = torch.randn(512, 1024, generator=gen).bfloat16().float()  # qualifies on every rank
+        kinds = [type(ops.prepare_linear(w)).__name__ for w in (router, shard, both)]
+        out.put((rank, (parallel.first_rank_value(10 + rank), parallel.every_rank(rank == 0),
+                        parallel.every_rank(True), kinds, cpu_kernels.load() is not None)))
     finally:
         parallel.close()
 
 
 @_marks
-def test_every_rank_takes_the_first_ranks_value():
-    """What a drafter's op table agrees on (OpTable.agree): rank 0's measured choice, on every rank."""
+def test_every_rank_takes_the_groups_kernel_choices():
+    """A tensor-parallel group's measured kernel choices (OpTable.agree / agree_all): rank 0's
+    measurement on every rank, so a replicated weight (a MoE router, a drafter) computes alike; a
+    path only some ranks' shard values qualify for taken by none."""
     import multiprocessing as mp
 
     from workers.parallel import free_port
 
     ctx = mp.get_context("spawn")
     out, port = ctx.Queue(), free_port("127.0.0.1")
-    procs = [ctx.Process(target=_first_rank_value, args=(r, port, out), daemon=True) for r in range(2)]
+    procs = [ctx.Process(target=_shared_choices, args=(r, port, out), daemon=True) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -185,5 +202,10 @@ def test_every_rank_takes_the_first_ranks_value():
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    assert got == {0: 10, 1: 10}
-    assert SINGLE.first_rank_value(7) == 7
+    (first, some, every, kinds, built), rank1 = got[0], got[1]
+    assert (first, some, every) == (10, False, True) and rank1[:3] == (10, False, True)
+    assert kinds == rank1[3]  # one kernel per weight on both ranks, though each measured its own
+    assert kinds[0] == "tuple"  # rank 0's choice (F.linear) for the small weight
+    assert kinds[1] != "NarrowWeight"  # rank 1's shard cannot take the bf16 copy: neither rank does
+    assert kinds[2] == ("NarrowWeight" if built else kinds[1])
+    assert SINGLE.first_rank_value(7) == 7 and SINGLE.every_rank(False) is False

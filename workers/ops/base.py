@@ -162,9 +162,17 @@ class OpTable:
     def agree(value: int) -> int:
         """A choice this table measured while preparing weights (a kernel, a row crossover) -> the
         one to take. The runner of a tensor-parallel rank sets it to rank 0's value, so every rank
-        runs a replicated model (a draft model, an EAGLE-3 head) with the same kernels and drafts
-        alike; measurements differ between processes, and so do the roundings of two kernels."""
+        computes a replicated weight (a MoE router, a draft model, an EAGLE-3 head) with the same
+        kernel and gets the same bits: measurements differ between processes, and so do the
+        roundings of two kernels, and a router's near tie must not route differently on two ranks."""
         return value
+
+    @staticmethod
+    def agree_all(flag: bool) -> bool:
+        """Whether a path this rank qualifies for by its weight's values (a bf16 copy of an fp32
+        weight whose values are all bf16's) is one every rank qualifies for: a tensor-parallel
+        rank's runner sets it, so the ranks' shards take one path and measure it together."""
+        return flag
 
     def describe(self) -> dict:
         """Which paths this table runs (reported in the runner's stats())."""

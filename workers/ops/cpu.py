@@ -187,7 +187,7 @@ class CPUOps(ReferenceOps):
         if path == "onednn-packed" and cpu_amx.qualifies(cpu_kernels.load(), weight):
             return self._amx_or_wide(weight, bias)
         narrow = self._narrow_copy(weight)
-        if narrow is None:
+        if not self.agree_all(narrow is not None):
             return self._plain_or_packed(weight, bias)
         rows = forced_rows()
         if rows is None:
