@@ -2,7 +2,7 @@
 against TP=1 on one actor with two threads, through the engine.
 
     PYTHONPATH=. python benchmarks/bench_pp.py [--model random:qwen3-0.6b?layers=8]
-        [--batch 32] [--prompt-len 32] [--new-tokens 64] [--repeats 3] [--partition 5,3] [--dtype D]
+        [--batch 32] [--prompt-len 32] [--new-tokens 64] [--repeats 3] [--partition 5,3 [--shallow]] [--dtype D]
 
 Both use the same two cores (a local Ray with num_cpus=2), the same model and the same greedy
 workload (`batch` prompts of random token ids, `new-tokens` tokens each, EOS ignored). Runs
@@ -13,7 +13,8 @@ stage sent back per sampled row (the ids, int64), the bytes the driver pulled pe
 per decoded row (unchanged from PP=1: ids only), and how long the last stage waited for activations. `--partition`
 adds a PP=2 layout with that many layers per stage (the last stage also computes the lm_head,
 which on a small model costs as much as several layers); `--one-thread` adds TP=1 on one thread
-(what one core does alone: the most each stage could contribute). A script, not a test.
+(what one core does alone: the most each stage could contribute); `--shallow` the partition's layout with
+P steps in flight instead of 2 x P. A script, not a test.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def run(model: str, layout: dict, prompts: list[list[int]], new_tokens: int, dty
         fig["stage_bytes_per_row"] = first["pipeline"]["bytes_sent"] / first["tokens"]
         fig["ids_bytes"] = last["pipeline"]["bytes_sent"]
         fig["last_wait_s"] = last["pipeline"]["recv_wait_s"]
+        fig["first_wait_s"] = first["pipeline"]["ids_wait_s"]
+        fig["busy"] = [(w["step_s"] - w["pipeline"]["recv_wait_s"] - w["pipeline"]["ids_wait_s"]) / wall
+                       for w in workers]
         fig["layers"] = [w["layers"] for w in workers]
     return fig
 
@@ -59,6 +63,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--partition", default=None, help="layers per stage of an extra PP=2 layout, e.g. 5,3")
     ap.add_argument("--one-thread", action="store_true", help="also TP=1 on one thread: what one core does alone")
+    ap.add_argument("--shallow", action="store_true",
+                    help="also the --partition layout with pipeline_depth 1: P steps in flight, not 2 x P (each "
+                         "batch's next step then waits for the driver to see its last)")
     ap.add_argument("--dtype", default=None,
                     help="compute dtype (default: the engine's for the checkpoint on this CPU). float32 compares the "
                          "layouts' greedy outputs exactly where bf16 runs on AMX, whose rounding depends on a "
@@ -71,6 +78,9 @@ def main() -> None:
     if a.partition:
         layouts[f"PP=2 x 1 thread, layers {a.partition}"] = dict(threads_per_worker=1, pipeline_parallel_size=2,
                                                                 pp_layer_partition=a.partition)
+    if a.partition and a.shallow:
+        layouts[f"PP=2 x 1 thread, layers {a.partition}, 2 in flight"] = dict(
+            threads_per_worker=1, pipeline_parallel_size=2, pp_layer_partition=a.partition, pipeline_depth=1)
     if a.one_thread:
         layouts["TP=1 x 1 thread"] = dict(threads_per_worker=1)
     ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
@@ -91,7 +101,9 @@ def main() -> None:
         if "stage_bytes_per_row" in runs[-1]:
             f = runs[-1]
             line += (f"\n{'':34s} layers {f['layers']}; stage 0 -> 1: {f['stage_bytes_per_row']:.0f} B/row; "
-                     f"ids back: {f['ids_bytes']} B in all; last stage waited {f['last_wait_s']:.2f} s")
+                     f"ids back: {f['ids_bytes']} B in all; last stage waited {f['last_wait_s']:.2f} s "
+                     f"for activations, first stage {f['first_wait_s']:.2f} s for ids; each stage computing "
+                     f"{', '.join(f'{b:.0%}' for b in f['busy'])} of the run")
         print(line)
 
 

@@ -67,7 +67,8 @@ class EngineConfig:
     (None: the reserved cores lent back, i.e. the split without reserved_cpus, when
     threads_per_worker is None; else threads_per_worker): such a step streams one token per
     running request over a long compute, so the frontend's core is nearly idle meanwhile.
-    `pipeline_depth` 2 dispatches step N+1 before step N returns; 1 turns that off.
+    `pipeline_depth` 2 dispatches step N+1 before step N returns (each of P pipeline stages'
+    batches likewise: 2 x P steps in flight); 1 turns that off.
     `device_outputs` None reads RAYLM_DEVICE_OUTPUTS (unset or 1: sample on the
     worker; 0: return full logits and sample on the driver, for A/B benchmarks).
     `tensor_parallel_size` ranks (one worker actor per device) make up each replica;
@@ -168,7 +169,7 @@ class EngineConfig:
     threads_per_worker: int | None = None  # a CPU worker's threads; default: the cores split, decode's measured
     reserved_cpus: int = 0  # cores left out of that split for the HTTP server (raylm serve leaves 1)
     prefill_threads_per_worker: int | None = None  # threads of steps of 256+ tokens; default: lend reserved back
-    pipeline_depth: int = 2  # steps in flight per replica; 1 only to measure what pipelining buys
+    pipeline_depth: int = 2  # steps in flight per replica (per stage); 1 only to measure what pipelining buys
     device_outputs: bool | None = None  # False: return logits and sample on the driver (the A/B baseline)
     step_channel: str = "auto"  # "socket" / "ray"; auto picks socket on the CPU (a Ray call costs more CPU)
     enforce_eager: bool = False  # no captured decode graphs on accelerators (debugging)
@@ -322,8 +323,9 @@ class EngineConfig:
 
     def pipeline_depth_for(self, device_outputs: bool) -> int:
         """Steps in flight per replica: host-logits mode needs each step's ids before the next;
-        P pipeline stages keep P steps in flight (the scheduler keeps their requests apart)."""
+        P pipeline stages keep pipeline_depth x P in flight, P batches of disjoint requests in turn
+        (the scheduler keeps them apart), each pipelined as one stage's steps are: the first stage
+        embeds a batch's next step from the ids the last sent it, not from the driver's plan."""
         if not device_outputs:
             return 1
-        return max(self.pipeline_depth, self.pipeline_parallel_size) if self.pipeline_parallel_size > 1 \
-            else self.pipeline_depth
+        return self.pipeline_depth * self.pipeline_parallel_size

@@ -201,6 +201,7 @@ class Request:
     num_sent_tokens: int = field(default=0, repr=False)  # len(NewRequest.token_ids), this admission
     num_inflight_samples: int = field(default=0, repr=False)  # sampled by dispatched steps, not yet returned
     num_inflight_drafting: int = field(default=0, repr=False)  # of those, rows that verify drafts
+    last_sample_step: int = field(default=-1, repr=False)  # the newest step id with a row that samples it
     num_draft_tokens: int = field(default=0, repr=False)  # tokens drafted for it (speculative decoding)
     num_accepted_tokens: int = field(default=0, repr=False)  # of those, accepted
     arrival_seq: int = field(default=-1, repr=False)  # order of add_request()

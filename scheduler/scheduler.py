@@ -18,9 +18,12 @@ still in flight carries USE_RESIDENT. In-flight bookkeeping names each sampling 
 Request at dispatch time, so slot reuse is safe and tokens for requests that finished
 meanwhile are discarded. Results must arrive in step order.
 
-With max_concurrent_batches B > 1 (pipeline stages) steps in flight hold disjoint requests:
-a request whose sampled token is in flight gets no decode row, and a step takes at most
-1/B of the running decodes, so B steps of about equal size keep B stages busy.
+With max_concurrent_batches B > 1 (pipeline stages) any B consecutive steps hold disjoint
+requests: a request sampled by one of the last B - 1 steps planned gets no decode row, a step
+takes at most 1/B of the running decodes and admits at most its share of the running and
+waiting requests, so B steps of about equal size keep B stages busy. With more than B steps
+in flight, a request re-enters with USE_RESIDENT while its token is still in flight, as with
+one stage: the first stage takes that token from the last directly.
 
 With speculative decoding (num_lookahead_tokens k > 0) a request's decode row may verify up
 to k tokens the worker drafts: the row is budgeted and given blocks for 1 + k positions (fewer
@@ -166,6 +169,7 @@ class Scheduler:
         budget = step.budget
         preempted = False
         batches, lookahead = self.config.max_concurrent_batches, self.config.num_lookahead_tokens
+        step_id = step.step_id
         below = self.config.lookahead_below
         drafting = lookahead and (below is None or len(running) < below)  # a large batch gains little from it
         max_rows = -(-len(running) // batches) if batches > 1 else len(running)
@@ -179,10 +183,11 @@ class Scheduler:
                 prefilling.append(req)
                 continue
             outputs, pending = req.output_token_ids, req.num_inflight_samples
-            if pending and (batches > 1 or drafting or req.num_inflight_drafting):
-                # in a step still in flight: other requests. A row that verifies drafts brings a run of
-                # ids, so nothing after it can be planned; while drafting is off, a plain row pipelines
-                # as without speculation, and while it is on, a request waits to draft again
+            if pending and (step_id - req.last_sample_step < batches or drafting or req.num_inflight_drafting):
+                # in one of the last B steps planned: the B - 1 after it take other requests (B stages
+                # kept busy by disjoint batches). A row that verifies drafts brings a run of ids, so
+                # nothing after it can be planned; while drafting is off, a plain row pipelines as
+                # without speculation, and while it is on, a request waits to draft again
                 continue
             n_out = len(outputs)
             n_known = len(req.prompt_token_ids) + n_out
@@ -211,6 +216,7 @@ class Scheduler:
                                      outputs[c - n_known] if c < n_known else USE_RESIDENT))
             req.num_computed_tokens = c + 1
             req.num_inflight_samples = pending + 1
+            req.last_sample_step = step_id
             if req.params.logprobs is not None:
                 step.logprob_rows.append(len(samples))
             samples.append((req, c + 1))
@@ -243,7 +249,11 @@ class Scheduler:
         waiting = self._waiting
         passed: list[Request] = []  # waiting for a claimed block or its turn: back to the queue's front after
         suspect_running = self._num_suspects > 0 and any(r.num_failures for r in self._running)
-        while waiting and step.budget and self._slots.num_free:
+        batches = self.config.max_concurrent_batches
+        # B batches in turn: a step admits up to its share of every request, so a burst of arrivals
+        # spreads over B steps (B stages prefilling at once) rather than filling one
+        max_rows = -(-(len(self._running) + len(waiting)) // batches) if batches > 1 else None
+        while waiting and step.budget and self._slots.num_free and (max_rows is None or len(step.rows) < max_rows):
             req = waiting.peek()
             if req.num_inflight_samples:
                 break  # preempted with tokens in flight: its token list is not complete yet

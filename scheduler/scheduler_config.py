@@ -17,8 +17,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # tokens computed per step, all rows together
     max_model_len: int = 4096  # prompt + output tokens of one request
     enable_prefix_caching: bool = True
-    # steps in flight over disjoint requests (pipeline stages): >1 keeps a request out of a step
-    # while its last one is in flight and gives each step at most 1/max_concurrent_batches of the decodes
+    # batches of disjoint requests in turn (pipeline stages): >1 keeps a request out of the next
+    # B - 1 steps after one that samples it and gives each step at most 1/B of the decodes
     max_concurrent_batches: int = 1
     # speculative decoding: the most drafted tokens a decode row may verify (0: none); such a row
     # reserves KV and budget for them, and its request waits for its result before its next row

@@ -44,6 +44,7 @@ class Step:
         self.prefill_tokens += n
         if c + n == req.num_tokens + req.num_inflight_samples:
             req.num_inflight_samples += 1
+            req.last_sample_step = self.step_id
             if req.params.logprobs is not None:
                 self.logprob_rows.append(len(self.samples))
             self.samples.append((req, c + n))

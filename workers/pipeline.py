@@ -44,6 +44,7 @@ class Pipeline:
         self._pending_ids: deque = deque()  # first stage: (slots [B], ids buffer, work) per step not applied
         self.bytes_sent = 0  # activations and ids this rank sent
         self.recv_wait_s = 0.0  # host time blocked receiving activations (a stage waiting for its predecessor)
+        self.ids_wait_s = 0.0  # first stage: host time blocked for the last stage's ids (waiting for its successors)
 
     @property
     def enabled(self) -> bool:
@@ -90,18 +91,29 @@ class Pipeline:
         """The last stage's sampled ids [B] (int64) to the first stage."""
         self._send(ids.to(torch.int64).contiguous(), 0)
 
-    def expect_ids(self, slots: torch.Tensor) -> None:
-        """First stage: this step samples into `slots` [B]; its ids arrive from the last stage."""
+    def expect_ids(self, slots: torch.Tensor, host_slots) -> None:
+        """First stage: this step samples into `slots` [B] (`host_slots` on the host); its ids
+        arrive from the last stage."""
         ids = torch.empty(len(slots), dtype=torch.int64, device=slots.device)
         work = torch.distributed.irecv(ids, self._peer(self.num_stages - 1), group=self.group)
-        self._pending_ids.append((slots.clone(), ids, work))  # slots: a view of the step's reused staging
+        # slots: a view of the step's reused staging
+        self._pending_ids.append((slots.clone(), frozenset(host_slots), ids, work))
 
-    def take_ids(self, last_tokens: torch.Tensor, keep: int) -> None:
-        """First stage: write the ids of all but the `keep` newest steps still pending into
-        `last_tokens` (waiting for them: those steps are done on the last stage)."""
-        while len(self._pending_ids) > keep:
-            slots, ids, work = self._pending_ids.popleft()
+    def take_ids(self, last_tokens: torch.Tensor, needed=None) -> None:
+        """First stage: write the last stage's ids of earlier steps into `last_tokens`, oldest
+        first: those of every step up to the newest that samples a slot in `needed` (all steps
+        when None), waiting for them, then those that have arrived. A step whose rows do not read
+        a resident token waits for none: the last stage may still be computing earlier steps."""
+        pending = self._pending_ids
+        through = len(pending) if needed is None else \
+            max((i + 1 for i, entry in enumerate(pending) if not needed.isdisjoint(entry[1])), default=0)
+        for i in range(len(pending)):
+            if i >= through and not pending[0][3].is_completed():
+                break
+            slots, _, ids, work = pending.popleft()
+            t0 = time.perf_counter()
             work.wait()
+            self.ids_wait_s += time.perf_counter() - t0
             last_tokens.index_copy_(0, slots, ids.to(last_tokens.device))
 
     def min_over_replica(self, value: int) -> int:
@@ -126,7 +138,7 @@ class Pipeline:
         if not self.enabled:
             return None
         return {"stage": self.stage, "stages": self.num_stages, "bytes_sent": self.bytes_sent,
-                "recv_wait_s": round(self.recv_wait_s, 3)}
+                "recv_wait_s": round(self.recv_wait_s, 3), "ids_wait_s": round(self.ids_wait_s, 3)}
 
 
 NO_PIPELINE = Pipeline()

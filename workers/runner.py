@@ -26,6 +26,7 @@ and sends the ids to the first (only the last stage's tensor rank 0 has a result
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -171,6 +172,7 @@ class ModelRunner:
         self.num_steps = 0
         self.num_lm_head_argmax_steps = 0  # steps whose ids came from the lm_head fused with the argmax
         self.num_tokens = 0
+        self.step_s = 0.0  # host time in execute()
         self.thread_probe: dict | None = None  # set when warmup chose the decode steps' thread count
         self.graphs: DecodeGraphs | None = self._capture_graphs(config, graph_device) if use_graphs else None
 
@@ -290,6 +292,7 @@ class ModelRunner:
             self.num_steps += 1
             self.num_tokens += plan.num_tokens
         result.step_time = time.perf_counter() - t0
+        self.step_s += result.step_time
         return result
 
     def _draft(self, rows) -> None:
@@ -449,9 +452,8 @@ class ModelRunner:
                     [w.slot for w in verifying for _ in range(len(w.draft) + 1)])
         pipeline = self.pipeline
         if pipeline.enabled and pipeline.is_first and self.device_outputs:
-            # the last stage's ids of earlier steps: all of them before a row reads its resident token
-            resident = any(w.is_decode and w.token == USE_RESIDENT for w in rows)
-            pipeline.take_ids(self.last_tokens, keep=0 if resident else pipeline.num_stages - 1)
+            # the last stage's ids of earlier steps: each row's before it reads its resident token
+            pipeline.take_ids(self.last_tokens, {w.slot for w in rows if w.is_decode and w.token == USE_RESIDENT})
         uploads = [u for u in (upload, vupload) if u is not None]
         inputs = build_step_inputs(rows, block_size=self.config.block_size, last_tokens=self.last_tokens,
                                    staging=self.staging,
@@ -488,7 +490,7 @@ class ModelRunner:
             if not pipeline.is_last:
                 pipeline.send_hidden(hidden)
                 if pipeline.is_first and b and self.device_outputs:
-                    pipeline.expect_ids(inputs.sample_slots)
+                    pipeline.expect_ids(inputs.sample_slots, inputs.slots)
                 for w in inputs.work:
                     w.state.has_resident = True
                 result.logits_shape = (b, 0)
@@ -548,28 +550,35 @@ class ModelRunner:
                        self.num_kv_blocks * bs - 1))
         blocks = list(range((n + bs) // bs))  # room for n prompt tokens and one decode token
         greedy = WorkerSampling()
-        steps, tokens, argmax_steps = self.num_steps, self.num_tokens, self.num_lm_head_argmax_steps
-        collective = self.parallel.collective_s, self.parallel.num_collectives
-        try:
+        with self._forgotten():
             self.execute(StepPlan(step_id=-1, new_requests=[NewRequest(0, [0] * n, 0, blocks, greedy)],
                                   rows=[ScheduledRow(0, n)]))
             token = USE_RESIDENT if self.device_outputs else 0
             self.execute(StepPlan(step_id=-1, rows=[ScheduledRow(0, 1, token=token)]))
             if self.pipeline.enabled:  # the decode step's ids, and every send, done before they are forgotten
                 if self.pipeline.is_first and self.device_outputs:
-                    self.pipeline.take_ids(self.last_tokens, keep=0)
+                    self.pipeline.take_ids(self.last_tokens)
                 self.pipeline.flush()
             synchronize(self.device)
+        if (self.config.choose_decode_threads and self.cpu_threads is not None and self.cpu_threads[0] > 1
+                and not self.parallel.enabled and not self.pipeline.enabled):
+            self._choose_decode_threads()
+
+    @contextlib.contextmanager
+    def _forgotten(self):
+        """Steps run inside (warmup's, the thread probe's) leave no request behind and count in
+        no stats: those count served steps only."""
+        counters = (self.num_steps, self.num_tokens, self.num_lm_head_argmax_steps, self.step_s,
+                    self.parallel.collective_s, self.parallel.num_collectives)
+        try:
+            yield
         finally:
             self.slots.clear()
             self.slot_sampling.clear()
             self.last_tokens.zero_()
-            self.num_steps, self.num_tokens, self.num_lm_head_argmax_steps = steps, tokens, argmax_steps
-            self.parallel.collective_s, self.parallel.num_collectives = collective
-            self.pipeline.bytes_sent, self.pipeline.recv_wait_s = 0, 0.0  # stats count served steps only
-        if (self.config.choose_decode_threads and self.cpu_threads is not None and self.cpu_threads[0] > 1
-                and not self.parallel.enabled and not self.pipeline.enabled):
-            self._choose_decode_threads()
+            (self.num_steps, self.num_tokens, self.num_lm_head_argmax_steps, self.step_s,
+             self.parallel.collective_s, self.parallel.num_collectives) = counters
+            self.pipeline.bytes_sent, self.pipeline.recv_wait_s, self.pipeline.ids_wait_s = 0, 0.0, 0.0
 
     def _choose_decode_threads(self, reps: int = 3, steps_per_rep: int = 2) -> None:
         """Time decode steps of a batch of requests on one thread and on the configured count,
@@ -585,9 +594,8 @@ class ModelRunner:
         token = USE_RESIDENT if self.device_outputs else 0
         decode = StepPlan(step_id=-1, rows=[ScheduledRow(i, 1, token=token) for i in range(rows)])
         times: dict[int, list[float]] = {threads: [], 1: []}
-        steps, tokens, argmax_steps = self.num_steps, self.num_tokens, self.num_lm_head_argmax_steps
         self.cpu_threads = None  # the probe sets the thread count itself
-        try:
+        with self._forgotten():
             self.execute(StepPlan(step_id=-1, new_requests=new, rows=[ScheduledRow(i, prompt) for i in range(rows)]))
             for _ in range(reps):
                 for t in times:
@@ -597,11 +605,6 @@ class ModelRunner:
                         self.execute(decode)
                     synchronize(self.device)
                     times[t].append((time.perf_counter() - t0) / steps_per_rep)
-        finally:
-            self.slots.clear()
-            self.slot_sampling.clear()
-            self.last_tokens.zero_()
-            self.num_steps, self.num_tokens, self.num_lm_head_argmax_steps = steps, tokens, argmax_steps
         median = {t: sorted(v)[len(v) // 2] for t, v in times.items()}
         chosen = 1 if median[1] < DECODE_THREADS_MARGIN * median[threads] else threads
         self.cpu_threads = (chosen, prefill)
@@ -614,6 +617,7 @@ class ModelRunner:
         return {
             "steps": self.num_steps,
             "tokens": self.num_tokens,
+            "step_s": round(self.step_s, 3),  # host time executing steps (waits between stages included)
             "lm_head_argmax_steps": self.num_lm_head_argmax_steps,  # greedy steps that wrote no logits
             "active_slots": len(self.slots),
             "kv_blocks": self.num_kv_blocks,

@@ -93,3 +93,6 @@ def test_steps_go_over_the_socket_on_the_cpu_and_as_ray_calls_on_accelerators_un
 def test_host_logits_mode_runs_one_step_at_a_time():
     cfg = EngineConfig(pipeline_depth=2)
     assert cfg.pipeline_depth_for(True) == 2 and cfg.pipeline_depth_for(False) == 1
+    staged = EngineConfig(pipeline_depth=2, pipeline_parallel_size=3)  # each stage's batch pipelined too
+    assert staged.pipeline_depth_for(True) == 6 and staged.pipeline_depth_for(False) == 1
+    assert EngineConfig(pipeline_depth=1, pipeline_parallel_size=3).pipeline_depth_for(True) == 3

@@ -232,24 +232,45 @@ def test_a_request_on_the_worker_at_every_failure_is_failed_and_the_rest_recompu
     assert sched.stats()["suspect_requests"] == 0
 
 
+@pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("cfg", [{}, {"num_blocks": 12, "block_size": 4, "max_num_seqs": 4}])
-def test_pipeline_stages_keep_steps_in_flight_over_disjoint_requests(stages, cfg):
-    """With max_concurrent_batches (pipeline stages) no request is in two steps in flight, the
-    decodes split about evenly over the steps, and the sequences are the step-by-step ones."""
+def test_pipeline_stages_take_disjoint_batches_in_turn(stages, depth, cfg):
+    """With max_concurrent_batches B (pipeline stages) any B consecutive steps hold disjoint
+    requests and the decodes split about evenly over them; with more than B steps in flight
+    (depth 2 a stage) a request whose token is still in flight re-enters on its resident token,
+    as with one stage. The sequences are the step-by-step ones either way."""
     reqs = workload()
     sched = make_scheduler(**cfg, requests=reqs, max_concurrent_batches=stages)
     runner = FakeRunner.for_scheduler(sched)
-    inflight, sizes = [], []
+    inflight, sizes, resident = [], [], 0  # the results of the steps in flight
     while sched.has_unfinished():
-        while len(inflight) < stages and (plan := sched.schedule()) is not None:
-            slots = {row.slot for step in inflight for row in step.rows if row.num_tokens == 1}
-            decodes = [row for row in plan.rows if row.num_tokens == 1]
-            assert not slots & {row.slot for row in decodes}  # a request in flight gets no row
-            assert all(row.token != USE_RESIDENT for row in decodes)  # its input token is known
+        while len(inflight) < stages * depth and (plan := sched.schedule()) is not None:
+            decodes = {row.slot: row for row in plan.rows if row.token is not None}
+            recent = set().union(*(r.slots for r in inflight if r.step_id > plan.step_id - stages))
+            assert not recent & decodes.keys()  # none sampled by the B - 1 steps before, if in flight
+            waiting = decodes.keys() & set().union(*(r.slots for r in inflight))
+            assert all(decodes[s].token == USE_RESIDENT for s in waiting)  # the token still in flight
+            resident += len(waiting)
             sizes.append(len(decodes))
-            inflight.append(plan)
-        sched.update(runner.execute(inflight.pop(0)))
+            inflight.append(runner.execute(plan))  # the worker computes steps in order as they come
+        sched.update(inflight.pop(0))
     assert_matches_reference(reqs, sched.config.max_total_tokens)
     running = len(reqs) if not cfg else cfg["max_num_seqs"]
     assert max(sizes) <= -(-running // stages)  # no step takes more than its share of the decodes
+    assert (resident > 0) == (depth > 1)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_a_burst_of_arrivals_spreads_over_the_stages_batches(stages):
+    """Requests arriving together are admitted over B steps, about 1/B each (with one stage, all
+    that fit at once): every stage prefills a batch of its own instead of one waiting on another."""
+    reqs = make_requests(12, prompt_len=4, max_tokens=6)
+    sched = make_scheduler(requests=reqs, max_num_seqs=12, max_num_batched_tokens=256, max_concurrent_batches=stages)
+    runner = FakeRunner.for_scheduler(sched)
+    plans = [sched.schedule() for _ in range(stages)]
+    assert [len(p.new_requests) for p in plans] == [12 // stages] * stages
+    for plan in plans:
+        sched.update(runner.execute(plan))
+    drive(sched, runner, depth=2 * stages)
+    assert_matches_reference(reqs, sched.config.max_total_tokens)
