@@ -13,10 +13,11 @@ stage's last layer: `x + residual`, which the next layer normalises exactly as t
 layer does the embedding), and sends its own to stage s + 1: hidden x dtype bytes a row,
 nothing more. The last stage samples and sends the ids to the first stage, whose resident
 last tokens feed the next decode rows. Sends are non-blocking so a stage goes on to the
-next step while its successor still computes: the replica keeps up to P steps in flight
-over disjoint requests (the scheduler never puts a request in two steps in flight), so the
-first stage takes a step's ids only when that step is P steps old, by which time the last
-stage has sent them.
+next step while its successor still computes: the replica keeps 2 x P steps in flight, P
+batches of disjoint requests in turn, each batch's next step planned before its last is back
+(its rows' inputs USE_RESIDENT). The first stage takes the ids of exactly the steps whose
+rows a step reads, waiting for them if the last stage has not sent them yet, and any others
+that have arrived.
 """
 
 from __future__ import annotations
