@@ -42,7 +42,8 @@ class Pipeline:
         self.partition = partition
         self.group = group  # the replica's whole group (global ranks)
         self._sends: deque = deque()  # (work, tensor) of non-blocking sends not yet known complete
-        self._pending_ids: deque = deque()  # first stage: (slots [B], ids buffer, work) per step not applied
+        # first stage, per step not applied: (slots [B], the same on the host, ids buffer, work)
+        self._pending_ids: deque = deque()
         self.bytes_sent = 0  # activations and ids this rank sent
         self.recv_wait_s = 0.0  # host time blocked receiving activations (a stage waiting for its predecessor)
         self.ids_wait_s = 0.0  # first stage: host time blocked for the last stage's ids (waiting for its successors)
