@@ -138,3 +138,52 @@ def test_each_stage_loads_only_its_layers_and_the_ends_it_uses():
     assert ("model.embed_tokens.weight" in held[1]) == tied  # the lm_head reads it
     middle = Qwen3ForCausalLM(full.config, _stage(1, 3))
     assert middle.model.embed_tokens.weight.numel() == 0 and middle.lm_head.weight.numel() == 0
+
+
+class _Arrival:
+    """A receive of the last stage's ids (torch.distributed.irecv's Work) that the test completes."""
+
+    def __init__(self, buf):
+        self.buf, self.done, self.waited = buf, False, False
+
+    def is_completed(self):
+        return self.done
+
+    def wait(self):
+        self.waited = True
+        return True
+
+
+def test_the_first_stage_waits_only_for_the_ids_its_rows_read(monkeypatch):
+    """With 2 x P steps in flight the first stage applies the last stage's ids oldest first: every
+    step up to the newest holding a slot the step reads (waiting for them), then only those that
+    have arrived, so a batch's step never waits for the other batch's."""
+    import torch
+
+    arrivals = []
+
+    def irecv(buf, src, group=None):
+        arrivals.append(_Arrival(buf))
+        return arrivals[-1]
+
+    monkeypatch.setattr(torch.distributed, "irecv", irecv)
+    first = Pipeline(stage=0, num_stages=2)
+    last = torch.zeros(4, dtype=torch.int64)
+
+    def step(slots):  # a step on the first stage that samples `slots`; its ids will come back
+        first.expect_ids(torch.tensor(slots), slots)
+        arrivals[-1].buf.copy_(torch.tensor([10 * len(arrivals) + s for s in slots]))
+
+    step([0, 1])  # batch A
+    step([2, 3])  # batch B
+    first.take_ids(last, {0, 1})  # A's next step reads A's tokens: A's ids, not B's
+    assert last.tolist() == [10, 11, 0, 0] and [a.waited for a in arrivals] == [True, False]
+    step([0, 1])
+    arrivals[2].done = True  # A's next step's ids have arrived, before B's were waited for
+    first.take_ids(last, {2, 3})  # B's next step: B's ids (waited for), then A's that arrived
+    assert last.tolist() == [30, 31, 22, 23] and all(a.waited for a in arrivals)
+    step([3])
+    first.take_ids(last, set())  # reads no resident token: nothing arrived, nothing taken
+    assert not arrivals[3].waited
+    first.take_ids(last)  # all (warmup's end): waits for every step
+    assert arrivals[3].waited and last.tolist() == [30, 31, 22, 43]
