@@ -45,10 +45,21 @@ def test_a_choice_is_kept_per_thread_count(kept):
     assert remembered("probe", (8,), lambda: 3) == 1
 
 
-def test_off_measures_every_time(monkeypatch):
-    monkeypatch.setenv(kernel_choices.ENV, "off")
+@pytest.mark.parametrize("flag", ["off", "0", "False", "no"])
+def test_off_measures_every_time(monkeypatch, flag):
+    monkeypatch.setenv(kernel_choices.ENV, flag)
+    assert kernel_choices.path() is None
     assert remembered("probe", (1,), lambda: 1) == 1
     assert remembered("probe", (1,), lambda: 2) == 2
+
+
+@pytest.mark.parametrize("flag", ["on", "1", "TRUE", "yes", ""])
+def test_a_yes_keeps_them_beside_the_build_and_a_bare_word_is_refused(monkeypatch, flag):
+    monkeypatch.setenv(kernel_choices.ENV, flag)  # "": as if unset
+    assert kernel_choices.path().name == "choices.json" and kernel_choices.path().parent.name
+    monkeypatch.setenv(kernel_choices.ENV, "onn")  # a typo of a flag: not silently a file in the cwd
+    with pytest.raises(ValueError, match="RAYLM_KERNEL_CHOICES.*'onn'"):
+        kernel_choices.path()
 
 
 def test_a_damaged_file_is_measured_again_and_rewritten(kept):

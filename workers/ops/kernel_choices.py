@@ -9,8 +9,9 @@ would answer differently. So the first measurement of each choice on a host is w
 beside the built kernels (whose name already keys the CPU, torch and the kernels' sources), under a
 lock that also keeps two starting workers from timing at once, and every later process takes it.
 
-RAYLM_KERNEL_CHOICES: unset, that file; `off`, measure at every start and keep nothing; any other
-value, the path of the file to keep them in.
+RAYLM_KERNEL_CHOICES: unset or a yes (`on`, `1`, `true`, `yes`), that file; a no (`off`, `0`,
+`false`, `no`), measure at every start and keep nothing; any other value, the path of the file to
+keep them in (one with a directory part, so a flag meant as a yes or no is never taken for a file).
 """
 
 from __future__ import annotations
@@ -31,10 +32,13 @@ log = logging.getLogger(__name__)
 
 def path() -> Path | None:
     """Where choices are kept, or None (RAYLM_KERNEL_CHOICES=off)."""
-    raw = os.environ.get(ENV)
-    if raw == "off":
+    raw = (os.environ.get(ENV) or "").strip()
+    if raw.lower() in ("off", "0", "false", "no"):
         return None
-    if raw:
+    if raw and raw.lower() not in ("on", "1", "true", "yes"):
+        if os.sep not in raw:
+            raise ValueError(f"{ENV} must be on, off or a file path with a directory (e.g. ./choices.json), "
+                             f"got {raw!r}")
         return Path(raw)
     from workers.ops import cpu_kernels
 
