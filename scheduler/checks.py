@@ -48,6 +48,16 @@ def check_positive_ints(owner, names, what: str = "") -> None:
             raise ValueError(f"{what}{name} must be a positive integer, got {value!r}")
 
 
+YES_WORDS, NO_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def flag_word(raw: str) -> bool | None:
+    """An environment variable's yes or no (1 / true / yes / on, 0 / false / no / off, any case);
+    None where `raw` is neither."""
+    value = raw.strip().lower()
+    return True if value in YES_WORDS else False if value in NO_WORDS else None
+
+
 def check_bool(name: str, value, *, optional: bool = False) -> None:
     if optional and value is None:
         return

@@ -109,10 +109,10 @@ class Pipeline:
         pending = self._pending_ids
         through = len(pending) if needed is None else \
             max((i + 1 for i, entry in enumerate(pending) if not needed.isdisjoint(entry[1])), default=0)
-        for i in range(len(pending)):
-            if i >= through and not pending[0][3].is_completed():
-                break
+        taken = 0
+        while pending and (taken < through or pending[0][3].is_completed()):
             slots, _, ids, work = pending.popleft()
+            taken += 1
             t0 = time.perf_counter()
             work.wait()
             self.ids_wait_s += time.perf_counter() - t0

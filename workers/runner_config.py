@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from scheduler.checks import check_bool
+from scheduler.checks import NO_WORDS, YES_WORDS, check_bool, flag_word
 from workers.spec_config import SpeculativeConfig
 
 DEVICE_KINDS = ("cpu", "cuda", "npu")
@@ -43,7 +43,7 @@ def check_quantization(value) -> str | None:
 def device_outputs_enabled(flag: bool | None = None) -> bool:
     """Whether workers sample on the device: `flag` if given, else RAYLM_DEVICE_OUTPUTS.
 
-    Unset, "1" or "true" -> True; "0" or "false" -> False (case-insensitive);
+    Unset or a yes (1, true, yes, on) -> True; a no (0, false, no, off) -> False (any case);
     any other value raises ValueError naming the variable and the value.
     """
     if flag is not None:
@@ -52,12 +52,10 @@ def device_outputs_enabled(flag: bool | None = None) -> bool:
     raw = os.environ.get(ENV_DEVICE_OUTPUTS)
     if raw is None:
         return True
-    value = raw.strip().lower()
-    if value in ("1", "true"):
-        return True
-    if value in ("0", "false"):
-        return False
-    raise ValueError(f"{ENV_DEVICE_OUTPUTS} must be one of 1, true, 0, false; got {raw!r}")
+    value = flag_word(raw)
+    if value is None:
+        raise ValueError(f"{ENV_DEVICE_OUTPUTS} must be one of {', '.join(YES_WORDS + NO_WORDS)}; got {raw!r}")
+    return value
 
 
 @dataclass

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from scheduler.checks import flag_word
+
 ENV = "RAYLM_KERNEL_CHOICES"
 
 log = logging.getLogger(__name__)
@@ -33,9 +35,10 @@ log = logging.getLogger(__name__)
 def path() -> Path | None:
     """Where choices are kept, or None (RAYLM_KERNEL_CHOICES=off)."""
     raw = (os.environ.get(ENV) or "").strip()
-    if raw.lower() in ("off", "0", "false", "no"):
+    flag = flag_word(raw)
+    if flag is False:
         return None
-    if raw and raw.lower() not in ("on", "1", "true", "yes"):
+    if raw and flag is None:
         if os.sep not in raw:
             raise ValueError(f"{ENV} must be on, off or a file path with a directory (e.g. ./choices.json), "
                              f"got {raw!r}")
