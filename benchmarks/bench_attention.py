@@ -3,7 +3,7 @@ heads, head_dim 128, block 16) or the bundled tiny model's (--shape tiny), in fp
 dtype (--dtype bfloat16: the pool, q and the output in it, as a bf16 model computes): a decode
 batch and a mixed batch with prefill chunks.
 
-    PYTHONPATH=. python benchmarks/bench_attention.py [--threads 2] [--rows 64] [--ctx 40:380] [--reps 5]
+    PYTHONPATH=. python benchmarks/bench_attention.py [--threads 2] [--rows 64] [--ctx 40:380] [--reps 5] [--block-size 16]
         [--shape qwen3-0.6b|tiny] [--dtype float32|bfloat16|float16]
 
 Backends take turns in every repetition (so machine load hits them alike); prints the median
@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--ctx", default="40:380")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (raylm's default: 16)")
     ap.add_argument("--shape", choices=SHAPES, default="qwen3-0.6b",
                     help="attention shape: Qwen3-0.6B's or the bundled tiny model's (4 query heads, 2 KV, head_dim 32)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
@@ -55,7 +56,7 @@ def main() -> None:
     dtype = getattr(torch, a.dtype)
     torch.set_num_threads(a.threads)
     ctx = tuple(int(x) for x in a.ctx.split(":"))
-    bs, (kvh, h, d) = 16, SHAPES[a.shape]
+    bs, (kvh, h, d) = a.block_size, SHAPES[a.shape]
     rng = random.Random(0)
     backends = {"gather-sdpa (reference)": GatherSDPAAttention(), "chunked-online-softmax": ChunkedPagedAttention()}
     if cpu_kernels.load() is not None:  # raylm's C++ kernel, where it builds
@@ -64,8 +65,8 @@ def main() -> None:
     cases = {"decode": (a.rows, []), "mixed": (a.rows // 2, [(0, 300), (160, 200)])}
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}")
     for case, (rows, prefills) in cases.items():
-        seqs = batch(rng, rows, ctx, prefills, bs, 4096)
-        cache = KVCache(num_layers=1, num_blocks=4096, block_size=bs, num_kv_heads=kvh, head_dim=d,
+        seqs = batch(rng, rows, ctx, prefills, bs, 65536 // bs)
+        cache = KVCache(num_layers=1, num_blocks=65536 // bs, block_size=bs, num_kv_heads=kvh, head_dim=d,
                         dtype=dtype)
         cache.data.normal_()
         t = sum(s.num_tokens for s in seqs)
