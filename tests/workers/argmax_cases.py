@@ -1,5 +1,5 @@
 """The lm_head fused with the greedy argmax, checked the same way for every CPU kernel that has it
-(the narrow bf16 copy, raylm's AMX packing)."""
+(the narrow bf16 copy, raylm's bf16 packing)."""
 
 from __future__ import annotations
 

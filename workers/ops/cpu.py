@@ -11,9 +11,10 @@ with benchmarks/bench_gemm.py --packed (figures in docs/benchmarks.md):
 - bf16 on AVX512-BF16 / AMX: "onednn-packed" as for fp32: oneDNN's bf16 inner product
   (AMX tiles where the CPU has them) over weights reordered once; F.linear reaches the same
   kernels but reorders the weight on every call (1.2-1.7x at 16-64 rows, measured on an AMX Xeon).
-  With AMX, a big weight is instead packed in raylm's own layout ("amx-bf16", workers/ops/cpu_amx.py)
-  where that measures as fast at every batch size: the lm_head, whose rows a tied embedding's lookups
-  then read, and whose greedy argmax is fused;
+  A big weight is instead packed in raylm's own layout (workers/ops/cpu_packed_bf16.py: AMX tiles,
+  "amx-bf16", or vdpbf16ps without AMX, "dpbf16-packed") where that measures as fast at every batch
+  size: the lm_head, whose rows a tied embedding's lookups then read, and whose greedy argmax is fused
+  (and without AMX every big weight, as measured);
 - fp16, and bf16 elsewhere: "aten" (F.linear).
 A small weight (a tiny model's, a draft's, an EAGLE-3 head's, a MoE router's: up to SMALL_MAX_ELEMENTS)
 is instead kept plain for F.linear where that measures no more than PLAIN_TOLERANCE slower at any batch
@@ -44,7 +45,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from workers.ops import cpu_amx, cpu_kernels
+from workers.ops import cpu_kernels, cpu_packed_bf16
 from workers.ops.base import QuantLinear
 from workers.ops.cpu_attention import make_cpu_attention
 from workers.ops.cpu_features import cpu_class, has_mkl_packed_linear, has_onednn_packed_linear
@@ -123,7 +124,7 @@ class CPUOps(ReferenceOps):
         self.fused = fused_elementwise_kernels()
         self.moe = CPUMoE()
         self.narrow_rows: dict[tuple[int, int], int] = {}  # per weight shape: what choose_rows measured
-        self.amx_wins: dict[tuple[int, int], bool] = {}  # per bf16 weight shape: what cpu_amx.faster measured
+        self.packed_wins: dict[tuple[int, int], bool] = {}  # per bf16 weight shape: cpu_packed_bf16.faster's answer
         self.int8 = Int8Paths(self.fused)
         self.int4 = Int4Paths(agree=lambda value: self.agree(value))  # int8's paths all sum exactly: no need
 
@@ -184,8 +185,8 @@ class CPUOps(ReferenceOps):
 
     def prepare_linear(self, weight, bias=None):
         path = linear_path(weight.dtype)
-        if path == "onednn-packed" and cpu_amx.qualifies(cpu_kernels.load(), weight):
-            return self._amx_or_wide(weight, bias)
+        if path == "onednn-packed" and cpu_packed_bf16.qualifies(cpu_kernels.load(), weight):
+            return self._packed_or_wide(weight, bias)
         narrow = self._narrow_copy(weight)
         if not self.agree_all(narrow is not None):
             return self._plain_or_packed(weight, bias)
@@ -230,16 +231,17 @@ class CPUOps(ReferenceOps):
         self.linear_paths.add(path)
         return handle if handle is not None else self._wide(weight, bias)
 
-    def _amx_or_wide(self, weight, bias):
-        """A bf16 weight in raylm's AMX packing, or oneDNN's, whichever measured faster for its shape
-        (cpu_amx.py); one copy either way."""
+    def _packed_or_wide(self, weight, bias):
+        """A bf16 weight in raylm's packing, or oneDNN's, whichever measured faster for its shape
+        (cpu_packed_bf16.py); one copy either way."""
         kernels, shape = cpu_kernels.load(), tuple(weight.shape)
-        handle = cpu_amx.pack(kernels, weight, bias)
-        if cpu_amx.forced() != "all" and shape not in self.amx_wins:
-            self.amx_wins[shape] = bool(self.agree(remembered("amx_bf16", shape, lambda: cpu_amx.faster(
+        handle = cpu_packed_bf16.pack(kernels, weight, bias)
+        if cpu_packed_bf16.forced() != "all" and shape not in self.packed_wins:
+            key = f"packed_bf16_{cpu_packed_bf16.engine(kernels)}"  # each engine measured for itself
+            self.packed_wins[shape] = bool(self.agree(remembered(key, shape, lambda: cpu_packed_bf16.faster(
                 kernels, self.linear, self._wide(weight, bias), handle))))
-        if cpu_amx.forced() == "all" or self.amx_wins[shape]:
-            self.linear_paths.add("amx-bf16")
+        if cpu_packed_bf16.forced() == "all" or self.packed_wins[shape]:
+            self.linear_paths.add(cpu_packed_bf16.path_name(kernels))
             return handle
         self.linear_paths.add(linear_path(weight.dtype))
         return self._wide(weight, bias)
@@ -268,8 +270,8 @@ class CPUOps(ReferenceOps):
     def linear(self, x, handle):
         if isinstance(handle, QuantLinear):
             return handle(x)
-        if isinstance(handle, cpu_amx.AMXWeight):
-            return cpu_amx.linear(cpu_kernels.load(), x, handle)
+        if isinstance(handle, cpu_packed_bf16.PackedBF16Weight):
+            return cpu_packed_bf16.linear(cpu_kernels.load(), x, handle)
         if isinstance(handle, NarrowWeight):
             if handle.takes(x):
                 return narrow_linear(cpu_kernels.load(), x, handle)
@@ -284,8 +286,8 @@ class CPUOps(ReferenceOps):
         return F.linear(x, weight, bias)
 
     def linear_argmax(self, x, handle, n):
-        if isinstance(handle, cpu_amx.AMXWeight) and handle.bias is None and x.dim() == 2:
-            return cpu_kernels.load().amx_linear_argmax(x.contiguous(), handle.packed, n)
+        if isinstance(handle, cpu_packed_bf16.PackedBF16Weight) and handle.bias is None and x.dim() == 2:
+            return cpu_kernels.load().packed_bf16_linear_argmax(x.contiguous(), handle.packed, n)
         if isinstance(handle, NarrowWeight) and handle.bias is None and x.dim() == 2 and handle.takes(x):
             return cpu_kernels.load().narrow_linear_argmax(x.contiguous(), handle.narrow, n)
         kernels = cpu_kernels.load()
@@ -294,10 +296,10 @@ class CPUOps(ReferenceOps):
         return kernels.argmax_rows(self.linear(x, handle), n)  # logits, then raylm's argmax over them
 
     def linear_rows(self, handle, ids, out):
-        if isinstance(handle, cpu_amx.AMXWeight):
+        if isinstance(handle, cpu_packed_bf16.PackedBF16Weight):
             if out.dtype not in (torch.bfloat16, torch.float32) or out.stride(1) != 1:
                 return None
-            cpu_kernels.load().amx_rows(out, handle.packed, ids)
+            cpu_kernels.load().packed_bf16_rows(out, handle.packed, ids)
             return out
         if isinstance(handle, NarrowWeight):
             if handle.wide is not None or out.dtype != torch.float32 or out.stride(1) != 1:
@@ -307,10 +309,10 @@ class CPUOps(ReferenceOps):
         return super().linear_rows(handle, ids, out)
 
     def linear_into(self, x, handle, out):
-        if isinstance(handle, cpu_amx.AMXWeight):
+        if isinstance(handle, cpu_packed_bf16.PackedBF16Weight):
             if x.dim() == 2 and out.dtype in (torch.bfloat16, torch.float32) and out.stride(1) == 1 \
                     and handle.bias is None:
-                return cpu_amx.linear(cpu_kernels.load(), x, handle, out)
+                return cpu_packed_bf16.linear(cpu_kernels.load(), x, handle, out)
             return out.copy_(self.linear(x, handle)[:, : out.shape[1]])
         if isinstance(handle, NarrowWeight):
             if handle.takes(x) and x.dim() == 2 and out.dtype == torch.float32 and out.stride(1) == 1:

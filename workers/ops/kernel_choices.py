@@ -1,7 +1,7 @@
 """Kernel choices measured on this host, kept for every later process on it.
 
-The CPU op table picks some kernels by timing them while it prepares weights: raylm's AMX packing or
-oneDNN's for a bf16 shape (cpu_amx.py), the narrow linear's row crossover (cpu_narrow.py), int4's
+The CPU op table picks some kernels by timing them while it prepares weights: raylm's bf16 packing or
+oneDNN's for a bf16 shape (cpu_packed_bf16.py), the narrow linear's row crossover (cpu_narrow.py), int4's
 (cpu_quant.py). Two kernels sum in different orders, so where a measurement flips from one start to
 the next (a host whose speed drifts does that near a tie) the same requests' greedy outputs change
 at near-ties: a restarted worker would not recompute the tokens it computed before, and two launches

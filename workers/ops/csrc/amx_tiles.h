@@ -1,4 +1,4 @@
-// AMX tile setup the kernels share (amx_linear.cpp's bf16 GEMM, int8_dot.h's int8 panels): the process's
+// AMX tile setup the kernels share (packed_bf16_linear.cpp's bf16 GEMM, int8_dot.h's int8 panels): the process's
 // permission to use the tiles and the one configuration they all use, eight tiles of 16 rows x 64 bytes.
 #pragma once
 

@@ -1,5 +1,5 @@
 // Each row's argmax as a product's outputs come out, for the lm_head kernels that fold greedy sampling
-// into the GEMM (narrow_linear.cpp, amx_linear.cpp): ties go to the lowest index and NaN above all, as
+// into the GEMM (narrow_linear.cpp, packed_bf16_linear.cpp): ties go to the lowest index and NaN above all, as
 // torch.argmax. Threads keep a RowBest each over their chunk of columns; merge_bests joins them.
 #pragma once
 
