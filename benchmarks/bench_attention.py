@@ -3,8 +3,8 @@ heads, head_dim 128, block 16) or the bundled tiny model's (--shape tiny), in fp
 dtype (--dtype bfloat16: the pool, q and the output in it, as a bf16 model computes): a decode
 batch and a mixed batch with prefill chunks.
 
-    PYTHONPATH=. python benchmarks/bench_attention.py [--threads 2] [--rows 64] [--ctx 40:380] [--reps 5] [--block-size 16]
-        [--shape qwen3-0.6b|tiny] [--dtype float32|bfloat16|float16]
+    PYTHONPATH=. python benchmarks/bench_attention.py [--threads 2] [--rows 64] [--ctx 40:380] [--reps 5]
+        [--block-size 16] [--shape qwen3-0.6b|tiny] [--dtype float32|bfloat16|float16]
 
 Backends take turns in every repetition (so machine load hits them alike); prints the median
 milliseconds per layer call (prepare excluded: it runs once per step for all layers) and the

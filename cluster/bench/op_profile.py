@@ -20,9 +20,10 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("sampling over the vocab", ("argmax", "topk", "sort", "softmax", "sample", "multinomial", "exponential",
                                  "aten::max", "penalt", "aten::div")),
     ("compiled elementwise (inductor)", ("compiled", "torch-compiled", "inductor", "graph")),
-    ("copies, indexing, cache writes", ("copy", "index", "cat", "embedding", "gather", "scatter", "reshape_and_cache",
-                                        "aten::to", "clone", "fill", "zero", "empty", "stack", "slice", "select",
-                                        "view", "contiguous", "narrow", "aten::as_strided", "pin_memory")),
+    ("copies, indexing, cache writes", ("copy", "index", "cat", "embedding", "packed_bf16_rows", "gather", "scatter",
+                                        "reshape_and_cache", "aten::to", "clone", "fill", "zero", "empty", "stack",
+                                        "slice", "select", "view", "contiguous", "narrow", "aten::as_strided",
+                                        "pin_memory")),
 )
 BETWEEN = "between ops (Python, scheduler, host)"
 

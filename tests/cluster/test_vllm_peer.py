@@ -153,4 +153,11 @@ def test_op_categories():
     assert category("aten::argmax", "[]", 151936) == "sampling over the vocab"
     assert category("## Call CompiledFxGraph None ##", "[]", 151936) == "compiled elementwise (inductor)"
     assert category("aten::index_select", "[]", 151936) == "copies, indexing, cache writes"
+    # the packed bf16 linear: logits into y [64, vocab] are the lm_head; rows read back are the embedding's lookups
+    assert category("raylm::packed_bf16_linear", "[[64, 151936], [64, 1024], [9496, 512, 32], []]", 151936) \
+        == "GEMM, lm_head"
+    assert category("raylm::packed_bf16_linear", "[[64, 6144], [64, 1024], [384, 512, 32], []]", 151936) \
+        == "GEMM, layers"
+    assert category("raylm::packed_bf16_rows", "[[64, 1024], [9496, 512, 32], [64]]", 151936) \
+        == "copies, indexing, cache writes"
     assert category("aten::something_new", "[]", 151936) == "other ops"
