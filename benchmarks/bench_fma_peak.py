@@ -24,7 +24,9 @@ import subprocess
 import tempfile
 
 SOURCE = r"""
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>

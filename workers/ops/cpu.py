@@ -14,7 +14,7 @@ with benchmarks/bench_gemm.py --packed (figures in docs/benchmarks.md):
   A big weight is instead packed in raylm's own layout (workers/ops/cpu_packed_bf16.py: AMX tiles,
   "amx-bf16", or vdpbf16ps without AMX, "dpbf16-packed") where that measures as fast at every batch
   size: the lm_head, whose rows a tied embedding's lookups then read, and whose greedy argmax is fused
-  (and without AMX every big weight, as measured);
+  (and without AMX every big weight, as measured on a Zen 4);
 - fp16, and bf16 elsewhere: "aten" (F.linear).
 A small weight (a tiny model's, a draft's, an EAGLE-3 head's, a MoE router's: up to SMALL_MAX_ELEMENTS)
 is instead kept plain for F.linear where that measures no more than PLAIN_TOLERANCE slower at any batch
