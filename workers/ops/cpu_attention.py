@@ -2,10 +2,13 @@
 
 - "paged" (the default where it builds): raylm's C++ kernel (workers/ops/csrc/paged_attention.cpp,
   built once per machine by workers/ops/cpu_kernels.py) reads every decode row's keys and values
-  where they lie in the pool, and a prefill chunk's after a cached prefix; a chunk with nothing
+  where they lie in the pool, and a short prefill chunk's after a cached prefix; a chunk with nothing
   cached attends causally over its own new keys through SDPA (a GEMM-shaped problem, no pool
   read). fp32, bf16 or fp16: a half-precision pool is read at its width and widened in registers
-  (scores, softmax and sums in fp32, the output rounded once).
+  (scores, softmax and sums in fp32, the output rounded once). In bf16 on a CPU with AMX, every
+  prefill chunk but the short ones after a prefix goes to raylm's tile kernel instead
+  (csrc/prefill_attention.cpp: the chunk's queries against the pool in place, its prefix included,
+  about twice SDPA's rate at Qwen3's heads); RAYLM_CPU_PREFILL_ATTENTION=sdpa keeps SDPA there.
   Where the build has AVX2 + FMA + F16C and head_dim % 8 == 0 it runs the kernel's vectorized path
   (eight key positions per score reduction, value accumulators in registers);
   "paged-portable" forces the plain loops every other CPU runs (tests hold both to the reference).
@@ -35,6 +38,7 @@ from workers.ops.reference import GatherSDPAAttention, gather_chunk
 CHUNK_TOKENS = 128  # keys per row per online-softmax step
 KERNEL_CHUNK_TOKENS = 16  # a chunk after a cached prefix up to this long goes through the C++ kernel
 ENV = "RAYLM_CPU_ATTENTION"
+PREFILL_ENV = "RAYLM_CPU_PREFILL_ATTENTION"  # "tiles" (the default where AMX runs) | "sdpa"
 
 
 def make_cpu_attention() -> AttentionBackend:
@@ -55,29 +59,30 @@ class PagedAttention(AttentionBackend):
     chunks after a cached prefix; a longer chunk after a cached prefix is a GEMM-shaped problem
     (every query against the whole context) that the kernel's per-token dot products run several
     times slower than the gather + SDPA the reference does (KERNEL_CHUNK_TOKENS, measured in
-    docs/benchmarks.md), so it takes that path."""
+    docs/benchmarks.md), so it takes that path, or, with prefill_tiles (bf16 where AMX runs),
+    torch.ops.raylm.prefill_attention with every chunk that would go to SDPA, in one call."""
 
     name = "paged-cpp"
 
-    def __init__(self) -> None:
+    def __init__(self, prefill_tiles: bool | None = None) -> None:
         self.kernels = cpu_kernels.load()
         self._attend = self.kernels.paged_attention
+        self.prefill_tiles = prefill_tiles_default(self.kernels) if prefill_tiles is None else prefill_tiles
 
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
         d = meta.num_decode
         device = meta.slot_mapping.device
         if d:  # row i of the block table, all seq_lens[i] keys
             meta.extra["decode_rows"] = torch.arange(d, dtype=torch.int32, device=device)
-        chunks = []
+        chunks, tiled = [], []
         for i, start, n, cached in meta.prefill_chunks():
-            if not cached:
-                chunks.append(("own", start, n, None, None))
-            elif n <= KERNEL_CHUNK_TOKENS:  # query j sits at position cached + j: it sees cached + j + 1 keys
-                chunks.append(("kernel", start, n, torch.full((n,), i, dtype=torch.int32, device=device),
-                               torch.arange(cached + 1, cached + n + 1, dtype=torch.int32, device=device)))
+            if self.prefill_tiles and (not cached or n > KERNEL_CHUNK_TOKENS):
+                tiled.append((i, start, n, cached))
             else:
-                chunks.append(("gather", start, n, *gather_chunk(meta, i, n, cached)))
-        meta.extra["chunks"] = chunks
+                chunks.append(_chunk(meta, i, start, n, cached))
+        meta.extra["chunks"], meta.extra["tiled"] = chunks, tiled
+        if tiled:  # columns: block table rows, first tokens, new tokens, cached tokens
+            meta.extra["tiled_args"] = [torch.tensor(col, dtype=torch.int32, device=device) for col in zip(*tiled)]
         return meta
 
     def forward(self, q, k, v, kv_cache, layer, meta):
@@ -87,7 +92,15 @@ class PagedAttention(AttentionBackend):
         if d:
             self._attend(out[:d], q[:d], key, value, meta.block_tables, meta.extra["decode_rows"], meta.seq_lens[:d],
                          scale)
-        for how, s, n, a, b in meta.extra["chunks"]:
+        chunks = meta.extra["chunks"]
+        if meta.extra["tiled"]:
+            if q.dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 128:
+                self.kernels.prefill_attention(out, q, key, value, meta.block_tables, *meta.extra["tiled_args"], scale)
+            else:  # a dtype or head size the tiles do not take: the chunks as without them
+                if "untiled" not in meta.extra:
+                    meta.extra["untiled"] = [_chunk(meta, *c) for c in meta.extra["tiled"]]
+                chunks = chunks + meta.extra["untiled"]
+        for how, s, n, a, b in chunks:
             if how == "kernel":
                 self._attend(out[s:s + n], q[s:s + n], key, value, meta.block_tables, a, b, scale)
                 continue
@@ -99,13 +112,33 @@ class PagedAttention(AttentionBackend):
         return out
 
 
+def prefill_tiles_default(kernels) -> bool:
+    """Whether prefill chunks go to the AMX tile kernel: where it runs, unless RAYLM_CPU_PREFILL_ATTENTION=sdpa."""
+    want = os.environ.get(PREFILL_ENV, "tiles")
+    if want not in ("tiles", "sdpa"):
+        raise ValueError(f"{PREFILL_ENV} must be tiles or sdpa, got {want!r}")
+    return want == "tiles" and kernels is not None and bool(kernels.prefill_attention_available())
+
+
+def _chunk(meta, i, start, n, cached):
+    """How a prefill chunk runs without the tiles: SDPA over its own keys ("own"), the decode kernel
+    when short after a prefix ("kernel"), else SDPA over the gathered context ("gather")."""
+    device = meta.slot_mapping.device
+    if not cached:
+        return ("own", start, n, None, None)
+    if n <= KERNEL_CHUNK_TOKENS:  # query j sits at position cached + j: it sees cached + j + 1 keys
+        return ("kernel", start, n, torch.full((n,), i, dtype=torch.int32, device=device),
+                torch.arange(cached + 1, cached + n + 1, dtype=torch.int32, device=device))
+    return ("gather", start, n, *gather_chunk(meta, i, n, cached))
+
+
 class PortablePagedAttention(PagedAttention):
     """PagedAttention through the kernel's plain loops only (RAYLM_CPU_ATTENTION=paged-portable)."""
 
     name = "paged-cpp-portable"
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(prefill_tiles=False)
         self._attend = self.kernels.paged_attention_portable
 
 
