@@ -103,6 +103,8 @@ class VLLMPeer:
                    # a loaded machine can take more than vLLM's default 10 minutes to compile and warm up
                    VLLM_ENGINE_READY_TIMEOUT_S="3600", VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="3600")
         env.pop("PYTHONPATH", None)  # nothing of raylm's venv leaks into vLLM's
+        if log_path:
+            os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
         self.log = open(log_path or os.devnull, "w")
         self.proc = subprocess.Popen([peers_python(venv), os.path.abspath(__file__)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
