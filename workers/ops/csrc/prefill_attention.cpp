@@ -120,88 +120,110 @@ inline float softmax_row(const float* s, uint16_t* p, int64_t lim, int64_t kend,
   return _mm512_reduce_add_ps(sum);
 }
 
-// One query head's tile of `rows` queries (q rows at stride q_stride) whose first query sees `first`
-// keys and each next one one more: out rows at stride out_stride. s [16][ld] fp32 and p [16][ld] bf16
-// scratch, ld >= the keys the tile sees rounded up to KP.
-void attend_tile(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q_stride, int64_t rows,
-                 int64_t first, const uint16_t* kt, const uint16_t* vv, int64_t head_dim, float scale, float* s,
-                 uint16_t* p, int64_t ld, uint16_t* qbuf, float* o) {
+// A tile of `rows` queries of one query head (q rows at stride q_stride), whose first query sees `first`
+// keys and each next one one more; its output rows at stride out_stride; its scratch: s [16][ld] fp32,
+// p [16][ld] bf16, qbuf [16][head_dim], o [16][head_dim] fp32, ld >= the keys it sees rounded up to KP.
+struct QueryTile {
+  uint16_t* out;
+  const uint16_t* q;
+  int64_t rows, first;
+  float* s;
+  uint16_t* p;
+  uint16_t* qbuf;
+  float* o;
+};
+
+// Two query tiles over the same packed keys (two query heads of a KV group, or two ranges of one head's
+// queries; b.rows == 0: a alone), each key and value operand loaded once for both: four accumulator
+// tiles (0-3: a's and b's, two columns each), the queries' operands in 4-5, the keys' or values' in 6-7.
+void attend_tiles(const QueryTile& a, const QueryTile& b, int64_t out_stride, int64_t q_stride, const uint16_t* kt,
+                  const uint16_t* vv, int64_t head_dim, float scale, int64_t ld) {
   const int64_t nd = head_dim / DT, nv = head_dim / VT;
-  const int64_t kend = (first + rows - 1 + KP - 1) / KP * KP;  // the last query sees first + rows - 1 keys
-  for (int64_t i = 0; i < QT; ++i) {
-    if (i < rows) {
-      std::memcpy(qbuf + i * head_dim, q + i * q_stride, head_dim * sizeof(uint16_t));
-    } else {
-      std::memset(qbuf + i * head_dim, 0, head_dim * sizeof(uint16_t));
+  const bool two = b.rows > 0;
+  // the last query of a tile sees first + rows - 1 keys
+  int64_t kend = (a.first + a.rows - 1 + KP - 1) / KP * KP;
+  if (two) kend = std::max(kend, (b.first + b.rows - 1 + KP - 1) / KP * KP);
+  for (const QueryTile* t : {&a, &b}) {
+    if (t == &b && !two) break;
+    for (int64_t i = 0; i < QT; ++i) {
+      if (i < t->rows) {
+        std::memcpy(t->qbuf + i * head_dim, t->q + i * q_stride, head_dim * sizeof(uint16_t));
+      } else {
+        std::memset(t->qbuf + i * head_dim, 0, head_dim * sizeof(uint16_t));
+      }
     }
   }
-  // scores: the query tile's nd operand tiles held in tiles 2.. (at most 4: head_dim <= 128), two score
-  // tiles (0, 1) per 32 keys, the keys' operands in 6 and 7
-  switch (nd) {  // _tile_loadd takes a constant tile number
-    case 4: _tile_loadd(5, qbuf + 3 * DT, head_dim * 2); [[fallthrough]];
-    case 3: _tile_loadd(4, qbuf + 2 * DT, head_dim * 2); [[fallthrough]];
-    case 2: _tile_loadd(3, qbuf + DT, head_dim * 2); [[fallthrough]];
-    default: _tile_loadd(2, qbuf, head_dim * 2);
-  }
+  // scores, 32 keys a step
   for (int64_t k0 = 0; k0 < kend; k0 += 2 * KT) {
     _tile_zero(0);
     _tile_zero(1);
-    const uint16_t* b = kt + (k0 / KT) * nd * TILE;
-#define RAYLM_SCORE_STEP(T, C)                     \
-  _tile_loadd(6, b + (C) * TILE, 64);              \
-  _tile_loadd(7, b + (nd + (C)) * TILE, 64);       \
-  _tile_dpbf16ps(0, T, 6);                         \
-  _tile_dpbf16ps(1, T, 7);
-    RAYLM_SCORE_STEP(2, 0)
-    if (nd > 1) { RAYLM_SCORE_STEP(3, 1) }
-    if (nd > 2) { RAYLM_SCORE_STEP(4, 2) }
-    if (nd > 3) { RAYLM_SCORE_STEP(5, 3) }
-#undef RAYLM_SCORE_STEP
-    _tile_stored(0, s + k0, ld * 4);
-    _tile_stored(1, s + k0 + KT, ld * 4);
+    _tile_zero(2);
+    _tile_zero(3);
+    const uint16_t* kb = kt + (k0 / KT) * nd * TILE;
+    for (int64_t c = 0; c < nd; ++c) {
+      _tile_loadd(6, kb + c * TILE, 64);
+      _tile_loadd(7, kb + (nd + c) * TILE, 64);
+      _tile_loadd(4, a.qbuf + c * DT, head_dim * 2);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if (two) {
+        _tile_loadd(5, b.qbuf + c * DT, head_dim * 2);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, a.s + k0, ld * 4);
+    _tile_stored(1, a.s + k0 + KT, ld * 4);
+    if (two) {
+      _tile_stored(2, b.s + k0, ld * 4);
+      _tile_stored(3, b.s + k0 + KT, ld * 4);
+    }
   }
-  // softmax of each row over the keys its query sees; P rounded to bf16, zero past them
-  float inv[QT];
-  for (int64_t i = 0; i < QT; ++i) {
-    const int64_t lim = i < rows ? first + i : 0;
-    const float sum = softmax_row(s + i * ld, p + i * ld, lim, kend, scale);
-    inv[i] = lim ? 1.f / sum : 0.f;
+  // softmax of each row over the keys its query sees; P rounded to bf16, zero past them up to kend
+  float inv[2][QT];
+  for (int u = 0; u < (two ? 2 : 1); ++u) {
+    const QueryTile& t = u ? b : a;
+    for (int64_t i = 0; i < QT; ++i) {
+      const int64_t lim = i < t.rows ? t.first + i : 0;
+      const float sum = softmax_row(t.s + i * ld, t.p + i * ld, lim, kend, scale);
+      inv[u][i] = lim ? 1.f / sum : 0.f;
+    }
   }
-  // P.V: up to four output tiles (64 dims) at a time in tiles 0-3, P's 32 keys in 4, V's in 6
-  for (int64_t c0 = 0; c0 < nv; c0 += 4) {
-    const int64_t nc = std::min<int64_t>(4, nv - c0);
+  // P.V, two output tiles (32 dims) of each query tile a step
+  for (int64_t c0 = 0; c0 < nv; c0 += 2) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t k0 = 0; k0 < kend; k0 += KP) {
-      _tile_loadd(4, p + k0, ld * 2);
-      const uint16_t* b = vv + (k0 / KP) * nv * TILE + c0 * TILE;
-      _tile_loadd(6, b, 64);
+      const uint16_t* vb = vv + (k0 / KP) * nv * TILE + c0 * TILE;
+      _tile_loadd(6, vb, 64);
+      _tile_loadd(7, vb + TILE, 64);
+      _tile_loadd(4, a.p + k0, ld * 2);
       _tile_dpbf16ps(0, 4, 6);
-      if (nc > 1) {
-        _tile_loadd(6, b + TILE, 64);
-        _tile_dpbf16ps(1, 4, 6);
-      }
-      if (nc > 2) {
-        _tile_loadd(6, b + 2 * TILE, 64);
-        _tile_dpbf16ps(2, 4, 6);
-      }
-      if (nc > 3) {
-        _tile_loadd(6, b + 3 * TILE, 64);
-        _tile_dpbf16ps(3, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if (two) {
+        _tile_loadd(5, b.p + k0, ld * 2);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
       }
     }
-    _tile_stored(0, o + c0 * VT, head_dim * 4);
-    if (nc > 1) _tile_stored(1, o + (c0 + 1) * VT, head_dim * 4);
-    if (nc > 2) _tile_stored(2, o + (c0 + 2) * VT, head_dim * 4);
-    if (nc > 3) _tile_stored(3, o + (c0 + 3) * VT, head_dim * 4);
+    _tile_stored(0, a.o + c0 * VT, head_dim * 4);
+    _tile_stored(1, a.o + (c0 + 1) * VT, head_dim * 4);
+    if (two) {
+      _tile_stored(2, b.o + c0 * VT, head_dim * 4);
+      _tile_stored(3, b.o + (c0 + 1) * VT, head_dim * 4);
+    }
   }
-  for (int64_t i = 0; i < rows; ++i) {
-    uint16_t* oi = out + i * out_stride;
-    const float* src = o + i * head_dim;
+  for (int u = 0; u < (two ? 2 : 1); ++u) {
+    const QueryTile& t = u ? b : a;
+    for (int64_t i = 0; i < t.rows; ++i) {
+      uint16_t* oi = t.out + i * out_stride;
+      const float* src = t.o + i * head_dim;
+      const float r = inv[u][i];
 #pragma omp simd
-    for (int64_t d = 0; d < head_dim; ++d) oi[d] = BF16::narrow(src[d] * inv[i]);
+      for (int64_t d = 0; d < head_dim; ++d) oi[d] = BF16::narrow(src[d] * r);
+    }
   }
 }
 #endif  // RAYLM_PREFILL_AMX
@@ -267,8 +289,8 @@ void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor key_cache, at::T
   const float fscale = static_cast<float>(scale);
   // items: (KV head, chunk), head-major, so that two threads split the heads evenly for any chunk mix
   at::parallel_for(0, num_kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint16_t> kt(most * head_dim), vv(most * head_dim), p(QT * most), qbuf(QT * head_dim);
-    std::vector<float> s(QT * most), o(QT * head_dim);
+    std::vector<uint16_t> kt(most * head_dim), vv(most * head_dim), p(2 * QT * most), qbuf(2 * QT * head_dim);
+    std::vector<float> s(2 * QT * most), o(2 * QT * head_dim);
     raylm::amx::configure();
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / chunks, c = item % chunks;
@@ -276,14 +298,18 @@ void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor key_cache, at::T
       const int64_t kend = (ctx + KP - 1) / KP * KP;
       pack_context(kt.data(), vv.data(), kp, vp, tables + static_cast<int64_t>(rows[c]) * max_blocks, ctx, kend,
                    block_size, row_stride, h * head_dim, head_dim);
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t qh = h * group + g;
-        for (int64_t i0 = 0; i0 < n; i0 += QT) {
-          const int64_t t = starts[c] + i0;
-          attend_tile(op + t * out_stride + qh * head_dim, out_stride, qp + (t * num_heads + qh) * head_dim,
-                      num_heads * head_dim, std::min(QT, n - i0), pre + i0 + 1, kt.data(), vv.data(), head_dim,
-                      fscale, s.data(), p.data(), most, qbuf.data(), o.data());
+      // the group's query tiles, query range by query range, taken two at a time
+      const int64_t tiles = (n + QT - 1) / QT * group;
+      for (int64_t u = 0; u < tiles; u += 2) {
+        QueryTile pair[2];
+        for (int64_t v = 0; v < 2; ++v) {
+          const int64_t i0 = (u + v) / group * QT, qh = h * group + (u + v) % group, t = starts[c] + i0;
+          pair[v] = {op + t * out_stride + qh * head_dim, qp + (t * num_heads + qh) * head_dim,
+                     u + v < tiles ? std::min(QT, n - i0) : 0, pre + i0 + 1, s.data() + v * QT * most,
+                     p.data() + v * QT * most, qbuf.data() + v * QT * head_dim, o.data() + v * QT * head_dim};
         }
+        attend_tiles(pair[0], pair[1], out_stride, num_heads * head_dim, kt.data(), vv.data(), head_dim, fscale,
+                     most);
       }
     }
     _tile_release();
