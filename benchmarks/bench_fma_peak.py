@@ -1,6 +1,6 @@
 """This CPU's arithmetic peaks: what no GEMM (and no engine) can beat.
 
-    python benchmarks/bench_fma_peak.py [--seconds 2] [--kinds fp32,bf16,int8]
+    python benchmarks/bench_fma_peak.py [--seconds 2] [--kinds fp32,bf16,int8,amx-bf16,amx-int8]
 
 Compiles a loop of independent vector multiply-adds with the system C++ compiler and runs it on
 1..nproc threads, printing the rate for each kind this CPU has:
@@ -9,7 +9,10 @@ Compiles a loop of independent vector multiply-adds with the system C++ compiler
 - bf16: AVX512-BF16's vdpbf16ps (two bf16 products summed into each fp32 lane: 4 flops a lane),
   what a bf16 GEMM without AMX runs on;
 - int8: AVX512-VNNI's vpdpbusd (four u8 x s8 products into each int32 lane: 8 ops a lane), what
-  an int8 GEMM without AMX runs on.
+  an int8 GEMM without AMX runs on;
+- amx-bf16, amx-int8: AMX's tile products (TDPBF16PS, TDPBSSD) on four accumulator tiles whose
+  operands stay in tiles, what raylm's and oneDNN's bf16 / int8 GEMMs and the prefill attention run on
+  where the CPU has AMX (a Xeon since Sapphire Rapids).
 bench_gemm.py's best rate divided by the matching peak is how close the packed GEMMs already are
 to the machine; docs/benchmarks.md uses these to bound what any engine can reach on a workload of
 known linear work (profile_ops.py prints the TFLOP). A kind the CPU lacks is skipped with a line
@@ -79,6 +82,48 @@ static double int8(long iters, float* sink) {
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
+#include <sys/syscall.h>
+#include <unistd.h>
+// four independent 16 x 16 accumulator tiles against two A and two B tiles (a GEMM's 2 x 2 block, its
+// operands never reloaded): what the tile unit itself does
+struct alignas(64) TileConfig {
+  unsigned char palette = 1, start_row = 0, reserved[14] = {};
+  unsigned short colsb[16] = {};
+  unsigned char rows[16] = {};
+};
+static void tiles_on() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) { c.colsb[t] = 64; c.rows[t] = 16; }
+  _tile_loadconfig(&c);
+  alignas(64) static thread_local unsigned char zero[1024] = {};
+  _tile_loadd(4, zero, 64); _tile_loadd(5, zero, 64); _tile_loadd(6, zero, 64); _tile_loadd(7, zero, 64);
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+}
+static double amx_bf16(long iters, float* sink) {
+  tiles_on();
+  for (long n = 0; n < iters; ++n) {
+    _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+  }
+  alignas(64) float out[256];
+  _tile_stored(0, out, 64);
+  _tile_release();
+  *sink += out[0];
+  return 4.0 * 16 * 16 * 32 * 2;  // a tile product: 16 x 16 outputs, 32 bf16 products each
+}
+static double amx_int8(long iters, float* sink) {
+  tiles_on();
+  for (long n = 0; n < iters; ++n) {
+    _tile_dpbssd(0, 4, 6); _tile_dpbssd(1, 4, 7); _tile_dpbssd(2, 5, 6); _tile_dpbssd(3, 5, 7);
+  }
+  alignas(64) int out[256];
+  _tile_stored(0, out, 64);
+  _tile_release();
+  *sink += out[0];
+  return 4.0 * 16 * 16 * 64 * 2;  // 64 int8 products each
+}
+#endif
+
 int main(int argc, char** argv) {
   const char* kind = argv[1];
   int threads = atoi(argv[2]);
@@ -91,6 +136,14 @@ int main(int argc, char** argv) {
 #endif
 #ifdef __AVX512VNNI__
   if (!strcmp(kind, "int8")) { fn = int8; bits = 512; }
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
+  if (!strcmp(kind, "amx-bf16") || !strcmp(kind, "amx-int8")) {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;  // Linux grants the tiles when asked
+    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return 2;
+    fn = kind[4] == 'b' ? amx_bf16 : amx_int8;
+    bits = 0;  // tiles, not vectors
+  }
 #endif
   if (!fn) return 2;  // this build (this CPU) has no such instruction
   std::vector<std::thread> ts;
@@ -108,13 +161,14 @@ int main(int argc, char** argv) {
 
 
 KINDS = {"fp32": "fp32 FMA peak", "bf16": "bf16 dot-product peak (vdpbf16ps)",
-         "int8": "int8 dot-product peak (vpdpbusd), Gop/s"}
+         "int8": "int8 dot-product peak (vpdpbusd), Gop/s", "amx-bf16": "bf16 tile peak (AMX TDPBF16PS)",
+         "amx-int8": "int8 tile peak (AMX TDPBSSD), Gop/s"}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=2.0, help="about how long each thread count runs")
-    ap.add_argument("--kinds", default="fp32,bf16,int8", help="comma-separated: " + ", ".join(KINDS))
+    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated: " + ", ".join(KINDS))
     ap.add_argument("--cxx", default=os.environ.get("CXX", "g++"))
     a = ap.parse_args()
     kinds = a.kinds.split(",")
@@ -135,11 +189,14 @@ def main() -> None:
                 raise RuntimeError(f"{kind}: the probe failed: {probe.stderr}")
             first = probe.stdout.split()
             iters = max(1, int(10_000_000 * a.seconds / max(float(first[2]), 1e-6)))
-            print(f"# {KINDS[kind]}, {first[3]}-bit vectors, {os.cpu_count()} logical CPUs")
+            width = "16 x 64-byte tiles" if first[3] == "0" else f"{first[3]}-bit vectors"
+            print(f"# {KINDS[kind]}, {width}, {os.cpu_count()} logical CPUs")
             for threads in range(1, (os.cpu_count() or 1) + 1):
                 out = subprocess.run([exe, kind, str(threads), str(iters)], capture_output=True, text=True)
+                if out.returncode not in (0, 1):
+                    raise RuntimeError(f"{kind} on {threads} thread(s) failed: {out.stderr}")
                 _, gflops, seconds, _ = out.stdout.split()
-                unit = "Gop/s" if kind == "int8" else "GF/s"
+                unit = "Gop/s" if kind.endswith("int8") else "GF/s"
                 print(f"{threads} thread(s): {float(gflops):7.1f} {unit}  ({float(seconds):.2f} s)")
 
 
