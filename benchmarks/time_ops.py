@@ -5,10 +5,10 @@ time several-fold on a 2-core Xeon, for raylm and vLLM alike, so its by-op table
     PYTHONPATH=. python benchmarks/time_ops.py --checkpoint DIR [the kernels workload's options]
 
 One untimed round (kernel choices, caches, the heap), then a timed one: seconds per op table linear
-by (rows, output features) and per attention call by the step's kind (decode rows only / with
-prefill chunks / prefill only), the costliest first, and what is left of the step loop (the
-lm_head's fused argmax, norms, RoPE, SwiGLU, copies, the scheduler). The CPU op table's default
-attention (the paged backend) is the one timed. A script, not a test.
+by (rows, output features), the lm_head's fused argmax, attention by the step's kind (decode rows
+only / with prefill chunks / prefill only), the K/V writes and the fused norms, RoPE and SwiGLU,
+the costliest first, and what is left of the step loop. The CPU op table's default attention (the
+paged backend) is the one timed. A script, not a test.
 """
 
 from __future__ import annotations
@@ -53,32 +53,52 @@ def main() -> None:
     print(f"untimed round: {fig['output_tok_s']:.2f} output tok/s", flush=True)
 
     spent = collections.defaultdict(lambda: [0, 0.0])  # what -> [calls, seconds]
-    linear, attend = cpu_ops.CPUOps.linear, cpu_attention.PagedAttention.forward
 
-    def timed_linear(self, x, handle):
-        t = time.perf_counter()
-        y = linear(self, x, handle)
-        entry = spent[f"linear {x.reshape(-1, x.shape[-1]).shape[0]} rows -> {y.shape[-1]}"]
-        entry[0] += 1
-        entry[1] += time.perf_counter() - t
-        return y
+    depth = [0]  # an op called inside a timed one (the lm_head's linear) counts as part of it
 
-    def timed_attention(self, q, k, v, kv_cache, layer, meta):
-        t = time.perf_counter()
-        out = attend(self, q, k, v, kv_cache, layer, meta)
-        kind = ("decode rows only" if meta.num_decode == q.shape[0] else
+    def timer(cls, name, label):
+        original = getattr(cls, name)
+
+        def timed(self, *args, **kwargs):
+            depth[0] += 1
+            t = time.perf_counter()
+            try:
+                out = original(self, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+            if depth[0] == 0:
+                entry = spent[label(args, out)]
+                entry[0] += 1
+                entry[1] += time.perf_counter() - t
+            return out
+
+        return cls, name, original, timed
+
+    def rows(x):
+        return x.reshape(-1, x.shape[-1]).shape[0]
+
+    def phase(x):  # x's first dimension is the step's tokens
+        return "decode" if x.shape[0] <= a.batch_size else "prefill"
+
+    def step_kind(meta, q):
+        return ("decode rows only" if meta.num_decode == q.shape[0] else
                 "prefill chunks only" if meta.num_decode == 0 else "decode rows + prefill chunks")
-        entry = spent[f"attention, {kind}"]
-        entry[0] += 1
-        entry[1] += time.perf_counter() - t
-        return out
 
+    timers = [
+        timer(cpu_ops.CPUOps, "linear", lambda a, y: f"linear {rows(a[0])} rows -> {y.shape[-1]}"),
+        timer(cpu_ops.CPUOps, "linear_argmax", lambda a, y: f"lm_head + argmax ({phase(a[0])})"),
+        timer(cpu_attention.PagedAttention, "forward", lambda a, y: f"attention, {step_kind(a[5], a[0])}"),
+        timer(cpu_attention.PagedAttention, "write_kv", lambda a, y: "K/V written to the pool"),
+    ] + [timer(cpu_ops.CPUOps, name, lambda a, y, name=name: f"{name} ({phase(a[0])})")
+         for name in ("rms_norm", "add_rms_norm", "qk_norm_rope", "silu_and_mul")]
     steps = StepClock()
-    cpu_ops.CPUOps.linear, cpu_attention.PagedAttention.forward = timed_linear, timed_attention
+    for cls, name, _, timed in timers:
+        setattr(cls, name, timed)
     try:
         fig, _ = run_bare(model, spec, wl, around_steps=steps)
     finally:
-        cpu_ops.CPUOps.linear, cpu_attention.PagedAttention.forward = linear, attend
+        for cls, name, original, _ in timers:
+            setattr(cls, name, original)
     wall = steps.seconds
     print(f"timed round: {fig['output_tok_s']:.2f} output tok/s, its step loop {wall:.2f} s\n")
     print(f"{'op':<48} {'calls':>6} {'s':>7} {'ms/call':>8} {'%':>5}")
@@ -86,7 +106,9 @@ def main() -> None:
         print(f"{what:<48} {calls:>6} {secs:>7.3f} {secs / calls * 1e3:>8.3f} {100 * secs / wall:>5.1f}")
     linear_s = sum(s for w, (_, s) in spent.items() if w.startswith("linear"))
     attention_s = sum(s for w, (_, s) in spent.items() if w.startswith("attention"))
-    print(f"\nlinear {linear_s:.2f} s, attention {attention_s:.2f} s, the rest {wall - linear_s - attention_s:.2f} s")
+    timed_s = sum(s for _, s in spent.values())
+    print(f"\nlinear {linear_s:.2f} s, attention {attention_s:.2f} s, all timed ops {timed_s:.2f} s, "
+          f"the rest (sampling, embedding, copies, the scheduler, Python) {wall - timed_s:.2f} s")
 
 
 if __name__ == "__main__":
