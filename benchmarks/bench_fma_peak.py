@@ -100,27 +100,22 @@ static void tiles_on() {
   _tile_loadd(4, zero, 64); _tile_loadd(5, zero, 64); _tile_loadd(6, zero, 64); _tile_loadd(7, zero, 64);
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
 }
-static double amx_bf16(long iters, float* sink) {
+// INT8: TDPBSSD (64 int8 products per output), else TDPBF16PS (32 bf16 products)
+template <bool INT8>
+static double amx(long iters, float* sink) {
   tiles_on();
   for (long n = 0; n < iters; ++n) {
-    _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+    if constexpr (INT8) {
+      _tile_dpbssd(0, 4, 6); _tile_dpbssd(1, 4, 7); _tile_dpbssd(2, 5, 6); _tile_dpbssd(3, 5, 7);
+    } else {
+      _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+    }
   }
   alignas(64) float out[256];
   _tile_stored(0, out, 64);
   _tile_release();
   *sink += out[0];
-  return 4.0 * 16 * 16 * 32 * 2;  // a tile product: 16 x 16 outputs, 32 bf16 products each
-}
-static double amx_int8(long iters, float* sink) {
-  tiles_on();
-  for (long n = 0; n < iters; ++n) {
-    _tile_dpbssd(0, 4, 6); _tile_dpbssd(1, 4, 7); _tile_dpbssd(2, 5, 6); _tile_dpbssd(3, 5, 7);
-  }
-  alignas(64) int out[256];
-  _tile_stored(0, out, 64);
-  _tile_release();
-  *sink += out[0];
-  return 4.0 * 16 * 16 * 64 * 2;  // 64 int8 products each
+  return 4.0 * 16 * 16 * (INT8 ? 64 : 32) * 2;  // four tile products of 16 x 16 outputs
 }
 #endif
 
@@ -141,7 +136,7 @@ int main(int argc, char** argv) {
   if (!strcmp(kind, "amx-bf16") || !strcmp(kind, "amx-int8")) {
     constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;  // Linux grants the tiles when asked
     if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return 2;
-    fn = kind[4] == 'b' ? amx_bf16 : amx_int8;
+    fn = kind[4] == 'b' ? amx<false> : amx<true>;
     bits = 0;  // tiles, not vectors
   }
 #endif
