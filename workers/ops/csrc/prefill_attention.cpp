@@ -301,12 +301,12 @@ void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor key_cache, at::T
       // the group's query tiles, query range by query range, taken two at a time
       const int64_t tiles = (n + QT - 1) / QT * group;
       for (int64_t u = 0; u < tiles; u += 2) {
-        QueryTile pair[2];
-        for (int64_t v = 0; v < 2; ++v) {
+        QueryTile pair[2] = {};  // rows 0: no second tile (an odd count)
+        for (int64_t v = 0; v < 2 && u + v < tiles; ++v) {
           const int64_t i0 = (u + v) / group * QT, qh = h * group + (u + v) % group, t = starts[c] + i0;
-          pair[v] = {op + t * out_stride + qh * head_dim, qp + (t * num_heads + qh) * head_dim,
-                     u + v < tiles ? std::min(QT, n - i0) : 0, pre + i0 + 1, s.data() + v * QT * most,
-                     p.data() + v * QT * most, qbuf.data() + v * QT * head_dim, o.data() + v * QT * head_dim};
+          pair[v] = {op + t * out_stride + qh * head_dim, qp + (t * num_heads + qh) * head_dim, std::min(QT, n - i0),
+                     pre + i0 + 1, s.data() + v * QT * most, p.data() + v * QT * most, qbuf.data() + v * QT * head_dim,
+                     o.data() + v * QT * head_dim};
         }
         attend_tiles(pair[0], pair[1], out_stride, num_heads * head_dim, kt.data(), vv.data(), head_dim, fscale,
                      most);
