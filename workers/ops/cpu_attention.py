@@ -8,7 +8,7 @@
   (scores, softmax and sums in fp32, the output rounded once). In bf16 on a CPU with AMX, every
   prefill chunk but the short ones after a prefix goes to raylm's tile kernel instead
   (csrc/prefill_attention.cpp: the chunk's queries against the pool in place, its prefix included,
-  about twice SDPA's rate at Qwen3's heads); RAYLM_CPU_PREFILL_ATTENTION=sdpa keeps SDPA there.
+  faster than SDPA where measured, docs/benchmarks.md); RAYLM_CPU_PREFILL_ATTENTION=sdpa keeps SDPA there.
   Where the build has AVX2 + FMA + F16C and head_dim % 8 == 0 it runs the kernel's vectorized path
   (eight key positions per score reduction, value accumulators in registers);
   "paged-portable" forces the plain loops every other CPU runs (tests hold both to the reference).
