@@ -63,15 +63,16 @@ def test_products_are_the_bf16_linears(packed_all, bias):
 @pytest.mark.parametrize("engine", ENGINES)
 def test_each_engine_computes_the_bf16_products_and_their_argmax(engine):
     """The kernel itself, engine by engine: rows past a block of x and its 8-row groups, a weight
-    not a whole pair of blocks, K long and short; the argmax over the first n of exactly those
-    products."""
+    not a whole pair of blocks, K long and short, a tall weight beside a narrow x (an lm_head's
+    proportions, for which AMX copies x into its tiles' layout), x's rows in place or a stride
+    apart; the argmax over the first n of exactly those products."""
     kernels = cpu_kernels.load()
     gen = torch.Generator().manual_seed(4)
-    for out_features, width in ((301, 4096), (70, 64)):
+    for out_features, width in ((301, 4096), (70, 64), (20_011, 64)):
         weight = torch.randn(out_features, width, generator=gen).bfloat16()
         packed = kernels.packed_bf16_pack(weight)
         for rows in (1, 3, 8, 13, 16, 29, 32, 45, 300):
-            x = torch.randn(rows, width, generator=gen).bfloat16()
+            x = torch.randn(rows, width + 32 * (rows % 2), generator=gen).bfloat16()[:, :width]  # odd: strided
             y = torch.empty(rows, out_features, dtype=torch.bfloat16)
             kernels.packed_bf16_linear(y, x, packed, engine)
             assert_bf16_close(y, bf16_linear(x, weight))

@@ -33,7 +33,7 @@ SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "elementwise.cpp", _CSRC / "sa
            _CSRC / "narrow_linear.cpp", _CSRC / "packed_bf16_linear.cpp", _CSRC / "int8_linear.cpp",
            _CSRC / "prefill_attention.cpp")
 HEADERS = (_CSRC / "vec_math.h", _CSRC / "moe_gemv.h", _CSRC / "panel_gemm.h", _CSRC / "int8_dot.h",
-           _CSRC / "row_best.h", _CSRC / "amx_tiles.h")
+           _CSRC / "row_best.h", _CSRC / "amx_tiles.h", _CSRC / "huge_pages.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math")  # no FP traps: branch-free math vectorizes
 ENV_CACHE = "RAYLM_KERNEL_CACHE"
 

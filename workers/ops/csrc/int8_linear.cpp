@@ -15,7 +15,7 @@
 // registers over the whole of K. Panels are split among torch's threads; tokens go in blocks whose rows
 // stay in L2 while a thread's panels stream past them.
 #include <ATen/Parallel.h>
-#include <ATen/ops/zeros.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -23,6 +23,8 @@
 #include <cstring>
 #include <memory>
 #include <vector>
+
+#include "huge_pages.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -145,7 +147,9 @@ at::Tensor int8_linear_pack(at::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar, "int8_linear_pack takes an int8 [rows, K] weight");
   TORCH_CHECK(w.size(1) % 2 == 0, "int8_linear_pack takes an even K, got ", w.size(1));
   const int64_t rows = w.size(0), K = w.size(1), panels = (rows + PR - 1) / PR, Kp = K / 2;
-  at::Tensor packed = at::zeros({panels, Kp * 16}, w.options());
+  at::Tensor packed = at::empty({panels, Kp * 16}, w.options());
+  raylm::advise_huge_pages(packed.data_ptr(), packed.nbytes());  // before the pages are first written
+  packed.zero_();
   const at::Tensor wc = w.contiguous();
   const int8_t* src = wc.data_ptr<int8_t>();
   int8_t* dst = packed.data_ptr<int8_t>();

@@ -15,7 +15,8 @@
 // registers, each x pair broadcast), and the sums go through a small fp32 buffer to y, rounded, or
 // (packed_bf16_linear_argmax) straight into each row's best: the [m, rows] logits are never written when only
 // greedy ids leave the step. Bound by reading w at decode sizes, the weight pairs are prefetched one
-// pair ahead.
+// pair ahead (on AMX spread over all of a pair's row blocks: at 64 rows, the second block's products
+// hid none of the reads when the first block alone issued them).
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -27,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "huge_pages.h"
 #include "vec_math.h"
 #include "row_best.h"
 
@@ -47,17 +49,25 @@ constexpr int64_t TK = 32;  // columns of x and w a tile takes (16 pairs)
 #define AMX_XBLOCK_BYTES_ (512 * 1024)
 #endif
 constexpr int64_t XBLOCK_BYTES = AMX_XBLOCK_BYTES_;  // x a block of rows may take (a quarter of a 2 MiB L2)
+constexpr int64_t TILED_X_RATIO = 256;  // weight bytes per byte of x for which x is copied into tiles (PaddedX)
+
+// Where x's tiles are: the tile of row block r (16 rows) and K step s (32 columns) starts at
+// data + r * block + s * step, its 16 rows ld_bytes apart.
+struct XTiles {
+  const uint16_t* data;
+  int64_t block, step, ld_bytes;
+};
 
 #ifdef RAYLM_AMX
 
 using raylm::amx::configure;  // tiles 0-3 the sums (row block i, weight block j at 2i + j), 4-5 x, 6-7 w
 inline bool amx_permitted() { return raylm::amx::permitted(); }
 
-// Sums of MT row blocks of x (16 rows each, starting at x0, row stride ldx elements) against the weight
-// blocks b0 and b1 over K, into out [16 * MT, 32] (fp32). next: the following pair, prefetched.
+// Sums of MT row blocks of x (from row block r0) against the weight blocks b0 and b1 over K, into
+// out [16 * MT, 32] (fp32). next: the following pair, prefetched.
 template <int MT>
-inline void tile_pair(const uint16_t* x0, int64_t ldx, const uint16_t* b0, const uint16_t* b1, int64_t K,
-                      float* out, const char* next, int64_t next_bytes) {
+inline void tile_pair(const XTiles& x, int64_t r0, const uint16_t* b0, const uint16_t* b1, int64_t K, float* out,
+                      const char* next, int64_t next_bytes) {
   _tile_zero(0);
   _tile_zero(1);
   if (MT == 2) {
@@ -66,17 +76,18 @@ inline void tile_pair(const uint16_t* x0, int64_t ldx, const uint16_t* b0, const
   }
   const int64_t steps = K / TK;
   const int64_t ahead = next ? (next_bytes + steps - 1) / steps : 0;  // bytes of the next pair per step
+  const uint16_t* x0 = x.data + r0 * x.block;
   for (int64_t s = 0; s < steps; ++s) {
     if (next)
       for (int64_t b = s * ahead; b < std::min(next_bytes, (s + 1) * ahead); b += 64)
         _mm_prefetch(next + b, _MM_HINT_T1);
-    _tile_loadd(4, x0 + s * TK, ldx * 2);
+    _tile_loadd(4, x0 + s * x.step, x.ld_bytes);
     _tile_loadd(6, b0 + s * TK * TN, 64);
     _tile_loadd(7, b1 + s * TK * TN, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if (MT == 2) {
-      _tile_loadd(5, x0 + 16 * ldx + s * TK, ldx * 2);
+      _tile_loadd(5, x0 + x.block + s * x.step, x.ld_bytes);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
@@ -161,22 +172,49 @@ inline void offer_row(Best& best, int64_t i, const float* s, int64_t cols, int64
   for (int64_t j = 0; j < cols; ++j) best.offer(i, v[j], j0 + j);
 }
 
-// x's rows padded with zeros to a multiple of 16 (the tiles' rows), or x itself where they are.
+// x's rows padded with zeros to a multiple of 16 (the tiles' rows), or x itself where they are. For AMX
+// with more than one row block and a weight that dwarfs x (the lm_head's, streamed from memory), x is
+// instead copied into the tiles' own layout (each 16 x 32 tile one 1 KiB piece): a tile of x in place
+// takes 16 rows 2 * K bytes apart, which at the usual widths (multiples of 1,024) fall into one or two of
+// L1's 64 sets, the next row block's tile into the same ones. Against a layer's weight, warm in cache,
+// the copy costs more than it saves.
 struct PaddedX {
   at::Tensor held;
-  const uint16_t* data;
-  int64_t ld, m, mp;
+  const uint16_t* data = nullptr;  // x padded, rows ld apart (not formed where the tiles' copy serves)
+  int64_t ld = 0, m, mp;
+  XTiles tiles;
 
-  explicit PaddedX(const at::Tensor& x) : m(x.size(0)), mp((x.size(0) + 15) / 16 * 16) {
-    if (mp == m) {
-      data = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-      ld = x.stride(0);
+  PaddedX(const at::Tensor& x, bool amx, int64_t weight_bytes) : m(x.size(0)), mp((x.size(0) + 15) / 16 * 16) {
+    const int64_t K = x.size(1), steps = K / TK;
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    const int64_t src_ld = x.stride(0), rows = m;
+    if (amx && mp >= 32 && mp * K * 2 * TILED_X_RATIO <= weight_bytes) {
+      held = at::empty({mp / 16, steps, 16, TK}, x.options());
+      uint16_t* t = reinterpret_cast<uint16_t*>(held.data_ptr<at::BFloat16>());
+      at::parallel_for(0, mp / 16, 4, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r)
+          for (int64_t s = 0; s < steps; ++s)
+            for (int64_t i = 0; i < 16; ++i) {
+              uint16_t* d = t + ((r * steps + s) * 16 + i) * TK;
+              if (r * 16 + i < rows)
+                std::memcpy(d, src + (r * 16 + i) * src_ld + s * TK, TK * 2);
+              else
+                std::memset(d, 0, TK * 2);
+            }
+      });
+      tiles = {t, steps * 16 * TK, 16 * TK, TK * 2};
       return;
     }
-    held = at::zeros({mp, x.size(1)}, x.options());
-    held.narrow(0, 0, m).copy_(x);
-    data = reinterpret_cast<const uint16_t*>(held.data_ptr<at::BFloat16>());
-    ld = x.size(1);
+    if (mp == m) {
+      data = src;
+      ld = src_ld;
+    } else {
+      held = at::zeros({mp, K}, x.options());
+      held.narrow(0, 0, m).copy_(x);
+      data = reinterpret_cast<const uint16_t*>(held.data_ptr<at::BFloat16>());
+      ld = K;
+    }
+    tiles = {data, 16 * ld, TK, ld * 2};
   }
 };
 
@@ -204,16 +242,21 @@ void for_each_tile(const PaddedX& x, const at::Tensor& packed, int64_t n, bool t
       for (int64_t p = begin; p < end; ++p) {
         const uint16_t* b0 = wp + 2 * p * block_elems;
         const char* next = p + 1 < end ? reinterpret_cast<const char*>(b0 + 2 * block_elems) : nullptr;
+        const int64_t row_blocks = (m1 - m0 + 31) / 32;
         for (int64_t i0 = m0; i0 < m1; i0 += 32) {
-          // the next pair is prefetched while the first row block runs (later ones find it in L2)
+          // vdpbf16ps: the next pair is prefetched while the first row block runs (later ones find it in
+          // L2); AMX: spread over every row block, so the reads go on while the last ones compute
           const char* pf = i0 == m0 ? next : nullptr;
           const bool two = i0 + 32 <= m1;
 #ifdef RAYLM_AMX
           if (tiles) {
+            const int64_t rb = (i0 - m0) / 32, from = rb * pair_bytes / row_blocks / 64 * 64,
+                          to = (rb + 1) * pair_bytes / row_blocks / 64 * 64;
+            const char* slice = next ? next + from : nullptr;
             if (two)
-              tile_pair<2>(x.data + i0 * x.ld, x.ld, b0, b0 + block_elems, K, sums, pf, pair_bytes);
+              tile_pair<2>(x.tiles, i0 / 16, b0, b0 + block_elems, K, sums, slice, to - from);
             else
-              tile_pair<1>(x.data + i0 * x.ld, x.ld, b0, b0 + block_elems, K, sums, pf, pair_bytes);
+              tile_pair<1>(x.tiles, i0 / 16, b0, b0 + block_elems, K, sums, slice, to - from);
             f(state, p, i0, two ? 2 : 1, sums);
             continue;
           }
@@ -279,6 +322,7 @@ at::Tensor packed_bf16_pack(at::Tensor w) {
   TORCH_CHECK(K % TK == 0, "packed_bf16_pack needs a width that is a multiple of ", TK, ", got ", K);
   const int64_t blocks = (rows + 2 * TN - 1) / (2 * TN) * 2;
   at::Tensor packed = at::empty({blocks, K / 2, 2 * TN}, w.options());
+  raylm::advise_huge_pages(packed.data_ptr(), packed.nbytes());  // before the pages are first written
   const at::Tensor wc = w.contiguous();
   const uint32_t* src = reinterpret_cast<const uint32_t*>(wc.data_ptr<at::BFloat16>());  // a pair as one word
   uint32_t* dst = reinterpret_cast<uint32_t*>(packed.data_ptr<at::BFloat16>());
@@ -309,7 +353,7 @@ void packed_bf16_linear(at::Tensor y, at::Tensor x, at::Tensor packed, c10::stri
               "y must be a bfloat16 or float32 [x rows, n] tensor with contiguous rows");
   const int64_t n = std::min<int64_t>(y.size(1), packed.size(0) * TN);
   if (x.size(0) == 0 || n == 0) return;
-  const PaddedX px(x);
+  const PaddedX px(x, tiles, packed.nbytes());
   const int64_t ldy = y.stride(0), m = x.size(0);
   const bool wide = y.scalar_type() == at::kFloat;
   char* yp = static_cast<char*>(y.data_ptr());
@@ -344,7 +388,7 @@ at::Tensor packed_bf16_linear_argmax(at::Tensor x, at::Tensor packed, int64_t n,
   const int64_t m = x.size(0);
   at::Tensor ids = at::empty({m}, x.options().dtype(at::kLong));
   if (m == 0) return ids;
-  const PaddedX px(x);
+  const PaddedX px(x, tiles, packed.nbytes());
   std::mutex mu;
   std::vector<std::pair<int64_t, Best>> parts;  // each chunk's rows' best, by its first pair
   for_each_tile(
