@@ -156,17 +156,20 @@ def _weights(scheme: str, out: int, inp: int, seed: int):
 
 @pytest.mark.parametrize("scheme", ["w8a8-dynamic", "w8a8-static", "w4a16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("path", ["measured", "forced-a", "forced-b", "forced-c", "torch-elementwise"])
+@pytest.mark.parametrize("path", ["measured", "forced-a", "forced-b", "forced-c", "forced-d", "torch-elementwise"])
 def test_cpu_quantized_linear_equals_the_reference(monkeypatch, scheme, dtype, path):
     """Each CPU path (forced through its switch, or as measured; activations quantized by the fused
     kernels or by torch's ops) against the reference arithmetic on seeded batches of 1-70 rows,
     fused weights and a bias included. A forced int8 kernel whose sums saturate on this CPU (oneDNN's
     without VNNI) is refused with an error instead of computing other numbers."""
-    from workers.ops.cpu_quant import has_avx2_int8, saturates
+    from workers.ops.cpu_quant import has_amx_int8, has_avx2_int8, saturates
 
-    forced = {"forced-a": ("onednn-int8", "64"), "forced-b": ("int-mm", "0"), "forced-c": ("avx2-int8", "64")}.get(path)
+    forced = {"forced-a": ("onednn-int8", "64"), "forced-b": ("int-mm", "0"), "forced-c": ("avx2-int8", "64"),
+              "forced-d": ("amx-int8", "64")}.get(path)
     if path == "forced-c" and (scheme == "w4a16" or not has_avx2_int8()):
         pytest.skip("the AVX2 int8 kernel serves W8A8 where raylm's kernels built with AVX2")
+    if path == "forced-d" and (scheme == "w4a16" or not has_amx_int8()):
+        pytest.skip("the AMX-INT8 kernel serves W8A8 where the CPU has AMX-INT8")
     if path == "torch-elementwise":
         monkeypatch.setenv("RAYLM_CPU_ELEMENTWISE", "eager")
     if forced:
@@ -194,17 +197,20 @@ def test_cpu_quantized_linear_equals_the_reference(monkeypatch, scheme, dtype, p
 
 @pytest.mark.parametrize("scheme,env", [
     ("w4a16", {"RAYLM_CPU_INT4_ROWS": "64"}), ("w4a16", {"RAYLM_CPU_INT4_ROWS": "0"}),
-    ("w8a8-dynamic", {"RAYLM_CPU_INT8_GEMM": "onednn-int8"}), ("w8a8-static", {"RAYLM_CPU_INT8_GEMM": "onednn-int8"})])
+    ("w8a8-dynamic", {"RAYLM_CPU_INT8_GEMM": "onednn-int8"}), ("w8a8-static", {"RAYLM_CPU_INT8_GEMM": "onednn-int8"}),
+    ("w8a8-dynamic", {"RAYLM_CPU_INT8_GEMM": "amx-int8"}), ("w8a8-static", {"RAYLM_CPU_INT8_GEMM": "amx-int8"})])
 def test_a_prepared_linear_lets_the_values_it_repacked_go(monkeypatch, scheme, env):
     """Where the CPU table holds its own packing of the values, nothing it prepared (handle or the
     closures it runs) keeps the weight's original tensor alive; the handle still computes the format."""
     import gc
     import weakref
 
-    from workers.ops.cpu_quant import has_onednn_int8, saturates
+    from workers.ops.cpu_quant import has_amx_int8, has_onednn_int8, saturates
 
-    if "RAYLM_CPU_INT8_GEMM" in env and (not has_onednn_int8() or saturates("onednn-int8")):
+    if env.get("RAYLM_CPU_INT8_GEMM") == "onednn-int8" and (not has_onednn_int8() or saturates("onednn-int8")):
         pytest.skip("this torch has no oneDNN int8 inner product, or its sums saturate on this CPU")
+    if env.get("RAYLM_CPU_INT8_GEMM") == "amx-int8" and not has_amx_int8():
+        pytest.skip("this CPU has no AMX-INT8")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     w = _weights(scheme, 64, 256, 1)
@@ -367,12 +373,15 @@ def bytes_saved(quantized: str) -> tuple[int, int]:
     return fp32.weight_bytes() - model.weight_bytes(), linears
 
 
-@pytest.mark.parametrize("path", ["onednn-int8", "int-mm", "avx2-int8"])
+@pytest.mark.parametrize("path", ["onednn-int8", "int-mm", "avx2-int8", "amx-int8"])
 def test_quantized_weights_are_held_at_their_width(checkpoints, monkeypatch, path):
     """int8 decoder linears hold a quarter of fp32's bytes (scales aside), whichever kernel runs them
     (a packed copy replaces the int8 values, not joins them): both prepared by the CPU table,
     whatever it keeps for the (full-precision) lm_head is the same in both."""
-    from workers.ops.cpu_quant import has_avx2_int8, has_onednn_int8, saturates
+    from workers.ops.cpu_quant import has_amx_int8, has_avx2_int8, has_onednn_int8, saturates
+
+    if path == "amx-int8" and not has_amx_int8():
+        pytest.skip("this CPU has no AMX-INT8")
 
     if path == "onednn-int8" and (not has_onednn_int8() or saturates(path)):
         pytest.skip("this torch has no oneDNN int8 inner product, or its sums saturate on this CPU")

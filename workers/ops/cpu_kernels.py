@@ -31,7 +31,7 @@ from workers.ops.cpu_features import cpu_flags
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "elementwise.cpp", _CSRC / "sampling.cpp", _CSRC / "fused_moe.cpp",
            _CSRC / "narrow_linear.cpp", _CSRC / "packed_bf16_linear.cpp", _CSRC / "int8_linear.cpp",
-           _CSRC / "prefill_attention.cpp")
+           _CSRC / "prefill_attention.cpp", _CSRC / "amx_int8_linear.cpp")
 HEADERS = (_CSRC / "vec_math.h", _CSRC / "moe_gemv.h", _CSRC / "panel_gemm.h", _CSRC / "int8_dot.h",
            _CSRC / "row_best.h", _CSRC / "amx_tiles.h", _CSRC / "huge_pages.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math")  # no FP traps: branch-free math vectorizes

@@ -9,6 +9,11 @@ sums, then the scales, by either
 - "int-mm": `torch._int_mm` (int32 sums) and the scales applied after; or
 - "avx2-int8": raylm's AVX2 kernel (workers/ops/csrc/int8_linear.cpp) for CPUs without VNNI, where
   oneDNN's int8 saturates and runs slower than fp32: weights widened to int16 in registers, VPMADDWD;
+  or
+- "amx-int8": raylm's AMX-INT8 kernel (workers/ops/csrc/amx_int8_linear.cpp), whose epilogue applies
+  both scales (and a static format's bias) and rounds to the compute dtype as the sums leave the tiles:
+  oneDNN's takes per-channel scales only, so its fp32 product is written and read again for the
+  per-token ones, a pass that at a prefill chunk's rows moves more bytes than the int8 GEMM;
 whichever is faster at 1-64 rows here, among those whose int32 sums are exact on a probe of
 extreme values (a kernel that saturates 16-bit pair sums, as pre-VNNI int8 instructions can, is
 never chosen).
@@ -34,9 +39,10 @@ from workers.ops.cpu_narrow import best_of
 from workers.ops.kernel_choices import remembered
 from workers.quant.weights import Int4Weight, Int8Weight, dequantize_int4, quantize_rows, quantize_static
 
-INT8_ENV = "RAYLM_CPU_INT8_GEMM"  # onednn-int8 | int-mm | avx2-int8: that kernel, not the measured one
+INT8_ENV = "RAYLM_CPU_INT8_GEMM"  # onednn-int8 | int-mm | avx2-int8 | amx-int8: that kernel, not the measured one
 INT4_ENV = "RAYLM_CPU_INT4_ROWS"  # N: int4pack up to N rows (0: never), not the measured crossover
-INT8_PATHS = ("onednn-int8", "int-mm", "avx2-int8")
+INT8_PATHS = ("onednn-int8", "int-mm", "avx2-int8", "amx-int8")
+_AMX_K = 64  # the AMX-INT8 kernel takes input sizes that are a multiple of a tile's 64 columns
 _PROBE_ROWS = (1, 16, 64)
 _INT4_ROWS = (1, 2, 4, 8, 16, 32, 64)
 _INT4_TILES = 2  # innerKTiles of torch's int4 packing (K must be a multiple of 16 * this)
@@ -65,7 +71,10 @@ class Int8Paths:
             name = self.chosen[shape] = _fastest_exact(w)
         sums, held = _int8_sums(name, w.qweight)
         kept = replace(w, qweight=_shape_only(w.qweight)) if held else w
-        run = (_fused_run if self.kernels is not None else _torch_run)(self.kernels, sums, kept)
+        if name == "amx-int8":
+            run = _amx_run(cpu_kernels.load(), held[0], kept)
+        else:
+            run = (_fused_run if self.kernels is not None else _torch_run)(self.kernels, sums, kept)
         return name, run, held, kept
 
 
@@ -110,6 +119,33 @@ def _fused_run(k, sums, w: Int8Weight):
     return run
 
 
+def _amx_run(k, packed, w: Int8Weight):
+    """_fused_run's arithmetic with the scales, the bias and the rounding done by the GEMM's own epilogue."""
+    rows = w.qweight.shape[0]
+    if w.dynamic:
+        scale = w.scale
+
+        def run(x):
+            x = x if x.stride(-1) == 1 else x.contiguous()
+            xq, sx = torch.empty(x.shape, dtype=torch.int8), torch.empty(x.shape[0])
+            k.quant_rows_int8(xq, sx, x)
+            out = torch.empty(x.shape[0], rows, dtype=x.dtype)
+            k.amx_int8_linear(out, xq, packed, scale, sx, None)
+            return out
+        return run
+    bias = (w.quant_bias.double() * w.deq_scale.double()).float()
+    in_scale, in_offset = float(w.input_scale), float(w.input_offset)
+
+    def run(x):
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        xq = torch.empty(x.shape, dtype=torch.int8)
+        k.quant_static_int8(xq, x, in_scale, in_offset)
+        out = torch.empty(x.shape[0], rows, dtype=x.dtype)
+        k.amx_int8_linear(out, xq, packed, w.deq_scale, None, bias)
+        return out
+    return run
+
+
 def _shape_only(t: torch.Tensor) -> torch.Tensor:
     """A stand-in of t's shape and dtype over one element (t's values are held elsewhere)."""
     return torch.zeros((), dtype=t.dtype).expand(t.shape)
@@ -125,6 +161,11 @@ def _forced(env: str, choices: tuple[str, ...], qweight: torch.Tensor | None = N
         raise RuntimeError(f"{env}={value}, but raylm's CPU kernels were not built with AVX2 here")
     if value == "avx2-int8" and qweight is not None and not _serves(value, qweight):
         raise ValueError(f"{env}={value} cannot run a {tuple(qweight.shape)} weight: its input size is odd")
+    if value == "amx-int8" and not has_amx_int8():
+        raise RuntimeError(f"{env}={value}, but this CPU has no AMX-INT8 (or raylm's kernels did not build for it)")
+    if value == "amx-int8" and qweight is not None and not _serves(value, qweight):
+        raise ValueError(f"{env}={value} cannot run a {tuple(qweight.shape)} weight: its input size is not a "
+                         f"multiple of {_AMX_K}")
     return value
 
 
@@ -137,9 +178,18 @@ def has_avx2_int8() -> bool:
     return kernels is not None and bool(kernels.int8_linear_available())
 
 
+def has_amx_int8() -> bool:
+    kernels = cpu_kernels.load()
+    return kernels is not None and bool(kernels.amx_int8_linear_available())
+
+
 def _serves(name: str, qweight: torch.Tensor) -> bool:
-    """Whether path `name` takes this weight (the AVX2 kernel: an even input size)."""
-    return name != "avx2-int8" or (has_avx2_int8() and qweight.shape[1] % 2 == 0)
+    """Whether path `name` takes this weight (the AVX2 kernel: an even input size; the AMX one: whole tiles)."""
+    if name == "avx2-int8":
+        return has_avx2_int8() and qweight.shape[1] % 2 == 0
+    if name == "amx-int8":
+        return has_amx_int8() and qweight.shape[1] % _AMX_K == 0
+    return True
 
 
 def _int8_sums(name: str, qweight: torch.Tensor):
@@ -155,6 +205,16 @@ def _int8_sums(name: str, qweight: torch.Tensor):
         def sums(xq, scale):
             y = torch.empty(xq.shape[0], rows)
             kernels.int8_linear(y, xq if xq.stride(-1) == 1 else xq.contiguous(), packed, scale)
+            return y
+        return sums, [packed]
+    if name == "amx-int8":
+        kernels = cpu_kernels.load()
+        packed = kernels.amx_int8_pack(qweight)
+        rows = qweight.shape[0]
+
+        def sums(xq, scale):
+            y = torch.empty(xq.shape[0], rows)
+            kernels.amx_int8_linear(y, xq if xq.stride(-1) == 1 else xq.contiguous(), packed, scale)
             return y
         return sums, [packed]
     return (lambda xq, scale: torch._int_mm(xq.contiguous(), qweight.t()).float().mul_(scale)), []
