@@ -12,7 +12,8 @@ from workers.ops import cpu_kernels, get_op_table
 from workers.ops.cpu_quant import has_amx_int8
 from workers.quant import Int8Weight, reference_linear
 
-pytestmark = pytest.mark.skipif(not has_amx_int8(), reason="this CPU has no AMX-INT8 (or raylm's kernels did not build)")
+pytestmark = pytest.mark.skipif(not has_amx_int8(),
+                                reason="this CPU has no AMX-INT8 (or raylm's kernels did not build)")
 
 
 def _expected(xq, w, col_scale, row_scale, bias, dtype):
