@@ -65,8 +65,11 @@ def test_tiles_take_a_prefill_only_step_of_many_chunks_in_one_call():
     """Chunks of every length up to two tiles, each after a different prefix, no decode rows."""
     chunks = [(c, n) for n, c in zip(range(1, 40, 3), range(0, 400, 29))]
     case = make_case(seed=5, block_size=16, decode_lens=[], chunks=chunks, heads=16, kv_heads=8, head_dim=128)
-    out, _ = attend(backend(True), case)
+    paged = backend(True)
+    assert paged.describe_prefill() == "amx-tiles (bf16), else sdpa"  # nothing has run yet
+    out, _ = attend(paged, case)
     torch.testing.assert_close(out.float(), reference_run(case)[0], atol=2e-2, rtol=2e-2)
+    assert paged.describe_prefill() == "amx-tiles"
 
 
 @needs_kernels
@@ -75,10 +78,12 @@ def test_a_dtype_the_tiles_do_not_take_runs_without_them(batch):
     """fp32 (a model the tiles do not compute) goes the way it would without them, on any CPU."""
     decode, chunks = BATCHES[batch]
     case = make_case(seed=batch, block_size=16, decode_lens=decode, chunks=chunks, dtype=torch.float32)
-    out, cache = attend(backend(True), case)
+    paged = backend(True)
+    out, cache = attend(paged, case)
     want, want_cache = reference_run(case)
     assert torch.equal(cache.data, want_cache.data)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert paged.describe_prefill() == "sdpa"  # what ran, whatever the tiles would have taken
 
 
 @needs_tiles
@@ -106,7 +111,8 @@ def test_the_table_says_which_prefill_attention_runs_and_the_env_chooses(monkeyp
     assert get_op_table("cpu", "cpu").describe()["prefill_attention"] == "sdpa"
     monkeypatch.setenv("RAYLM_CPU_PREFILL_ATTENTION", "tiles")
     tiles = KERNELS.prefill_attention_available()
-    assert get_op_table("cpu", "cpu").describe()["prefill_attention"] == ("amx-tiles" if tiles else "sdpa")
+    assert get_op_table("cpu", "cpu").describe()["prefill_attention"] == ("amx-tiles (bf16), else sdpa" if tiles
+                                                                          else "sdpa")
     monkeypatch.setenv("RAYLM_CPU_PREFILL_ATTENTION", "flash")
     with pytest.raises(ValueError, match="RAYLM_CPU_PREFILL_ATTENTION must be tiles or sdpa, got 'flash'"):
         get_op_table("cpu", "cpu")

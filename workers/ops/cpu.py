@@ -132,8 +132,8 @@ class CPUOps(ReferenceOps):
         kernels = "built" if cpu_kernels.load() is not None else f"not built: {cpu_kernels.failure()}"
         return {**super().describe(), "cpu": cpu_class(), "linear": ",".join(sorted(self.linear_paths)) or None,
                 "elementwise": "fused-cpp" if self.fused is not None else "eager", "moe": self.moe.describe(),
-                "kernels": kernels, "prefill_attention": "amx-tiles" if getattr(self.attention, "prefill_tiles", False)
-                else "sdpa"}
+                "kernels": kernels, "prefill_attention": self.attention.describe_prefill()
+                if hasattr(self.attention, "describe_prefill") else "sdpa"}
 
     def _fusable(self, *tensors) -> bool:
         """The fused kernels take CPU tensors all of one dtype, fp32, bf16 or fp16 (computed in fp32,

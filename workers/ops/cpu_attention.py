@@ -68,6 +68,13 @@ class PagedAttention(AttentionBackend):
         self.kernels = cpu_kernels.load()
         self._attend = self.kernels.paged_attention
         self.prefill_tiles = prefill_tiles_default(self.kernels) if prefill_tiles is None else prefill_tiles
+        self.prefill_ran: set[str] = set()  # what prefill chunks went to: "amx-tiles", "sdpa" (stats)
+
+    def describe_prefill(self) -> str:
+        """What prefill chunks ran on ("amx-tiles", "sdpa" or both); before any, what they would."""
+        if self.prefill_ran:
+            return ",".join(sorted(self.prefill_ran))
+        return "amx-tiles (bf16), else sdpa" if self.prefill_tiles else "sdpa"
 
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
         d = meta.num_decode
@@ -96,10 +103,13 @@ class PagedAttention(AttentionBackend):
         if meta.extra["tiled"]:
             if q.dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 128:
                 self.kernels.prefill_attention(out, q, key, value, meta.block_tables, *meta.extra["tiled_args"], scale)
+                self.prefill_ran.add("amx-tiles")
             else:  # a dtype or head size the tiles do not take: the chunks as without them
                 if "untiled" not in meta.extra:
                     meta.extra["untiled"] = [_chunk(meta, *c) for c in meta.extra["tiled"]]
                 chunks = chunks + meta.extra["untiled"]
+        if any(how != "kernel" for how, *_ in chunks):
+            self.prefill_ran.add("sdpa")
         for how, s, n, a, b in chunks:
             if how == "kernel":
                 self._attend(out[s:s + n], q[s:s + n], key, value, meta.block_tables, a, b, scale)
