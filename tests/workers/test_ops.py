@@ -127,6 +127,33 @@ def test_attention_equals_the_reference(name, seed, block_size):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@needs_cxx
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_paged_backends_write_is_the_pools_and_checks_its_slots(dtype):
+    """K/V as the model's fused projection leaves them (views a row of q, k and v wide) and as a
+    copy laid out otherwise, written where the pool's own index_copy_ puts them; a slot outside
+    the pool is an error naming it, and nothing is written."""
+    from workers.ops.cpu_attention import PagedAttention
+
+    gen = torch.Generator().manual_seed(7)
+    qkv = torch.randn(9, 4 + 2 + 2, 16, generator=gen).to(dtype)  # [T, q + k + v heads, D]
+    k, v = qkv[:, 4:6], qkv[:, 6:]
+    slots = torch.tensor([3, 40, 41, 0, 63, 17, 18, 19, 5])
+    meta = build_metadata([SequenceRows(0, 9, [0, 1, 2, 3])], num_decode=0, block_size=16)
+    meta.slot_mapping = slots
+    for kk, vv in ((k, v), (k.transpose(1, 2).contiguous().transpose(1, 2), v)):  # the second: heads strided
+        mine = KVCache(num_layers=2, num_blocks=4, block_size=16, num_kv_heads=2, head_dim=16, dtype=dtype)
+        want = KVCache(num_layers=2, num_blocks=4, block_size=16, num_kv_heads=2, head_dim=16, dtype=dtype)
+        PagedAttention().write_kv(mine, 1, kk, vv, meta)
+        want.write(1, kk, vv, slots)
+        assert torch.equal(mine.data, want.data)
+    meta.slot_mapping = torch.tensor([3, 64, 0, 0, 0, 0, 0, 0, 0])
+    cache = KVCache(num_layers=1, num_blocks=4, block_size=16, num_kv_heads=2, head_dim=16, dtype=dtype)
+    with pytest.raises(RuntimeError, match="slot 64 of token 1 is outside the pool's 64 slots"):
+        PagedAttention().write_kv(cache, 0, k, v, meta)
+    assert not cache.data.any()
+
+
 @pytest.mark.parametrize("backend", [pytest.param(b, marks=needs_cxx) if b.startswith("paged") else b
                                      for b in CPU_ATTENTION])
 @pytest.mark.parametrize("seed", range(12))

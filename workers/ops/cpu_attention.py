@@ -76,6 +76,14 @@ class PagedAttention(AttentionBackend):
             return ",".join(sorted(self.prefill_ran))
         return "amx-tiles (bf16), else sdpa" if self.prefill_tiles else "sdpa"
 
+    def write_kv(self, kv_cache, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        """The pool's index_copy_ write, one copy a token (torch.ops.raylm.kv_write) where each token's
+        heads are contiguous, as the model's projections leave them."""
+        if all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (k, v)):
+            self.kernels.kv_write(kv_cache.key(layer), kv_cache.value(layer), k, v, meta.slot_mapping)
+        else:
+            super().write_kv(kv_cache, layer, k, v, meta)
+
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
         d = meta.num_decode
         device = meta.slot_mapping.device

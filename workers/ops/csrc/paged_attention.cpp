@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -559,6 +560,40 @@ bool paged_attention_vectorized() {
 #endif
 }
 
+// The step's K and V into the pool: token t's [KVH, D] rows to slot slot_mapping[t] of key_cache and
+// value_cache ([blocks, block_size, KVH, D], any dtype, k and v in it). One copy a token, the tokens split
+// among torch's threads: index_copy_ over the pool's [slots, KVH, D] view took several times as long.
+void kv_write(at::Tensor key_cache, at::Tensor value_cache, at::Tensor k, at::Tensor v, at::Tensor slot_mapping) {
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.sizes() == key_cache.sizes() &&
+                  value_cache.is_contiguous() && value_cache.scalar_type() == key_cache.scalar_type(),
+              "key_cache and value_cache must be contiguous [blocks, block_size, kv_heads, head_dim] of one dtype");
+  const int64_t slots = key_cache.size(0) * key_cache.size(1), kvh = key_cache.size(2), d = key_cache.size(3);
+  for (const at::Tensor* t : {&k, &v})
+    TORCH_CHECK(t->dim() == 3 && t->size(1) == kvh && t->size(2) == d && t->stride(2) == 1 && t->stride(1) == d &&
+                    t->scalar_type() == key_cache.scalar_type(),
+                "k and v must be [tokens, kv_heads, head_dim] in the pool's dtype, each token's heads contiguous");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == at::kLong && slot_mapping.size(0) == k.size(0) &&
+                  v.size(0) == k.size(0),
+              "slot_mapping must be an int64 [tokens] for k's and v's tokens");
+  const at::Tensor sm = slot_mapping.contiguous();
+  const int64_t* sp = sm.data_ptr<int64_t>();
+  const int64_t n = k.size(0);
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < slots, "slot ", sp[t], " of token ", t, " is outside the pool's ", slots, " slots");
+  const int64_t row = kvh * d * key_cache.element_size();
+  char* kc = static_cast<char*>(key_cache.data_ptr());
+  char* vc = static_cast<char*>(value_cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t ks = k.stride(0) * k.element_size(), vs = v.stride(0) * v.element_size();
+  at::parallel_for(0, n, std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(1, 2 * row)), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      std::memcpy(kc + sp[t] * row, kp + t * ks, row);
+      std::memcpy(vc + sp[t] * row, vp + t * vs, row);
+    }
+  });
+}
+
 // torch.ops.raylm.paged_attention (registered when the library is loaded)
 TORCH_LIBRARY(raylm, m) {
   const char* args = "(Tensor(a!) out, Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
@@ -566,9 +601,11 @@ TORCH_LIBRARY(raylm, m) {
   m.def((std::string("paged_attention") + args).c_str());
   m.def((std::string("paged_attention_portable") + args).c_str());
   m.def("paged_attention_vectorized() -> bool", &paged_attention_vectorized);
+  m.def("kv_write(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(raylm, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("paged_attention_portable", &paged_attention_portable);
+  m.impl("kv_write", &kv_write);
 }
