@@ -71,10 +71,11 @@ class Int8Paths:
             name = self.chosen[shape] = _fastest_exact(w)
         sums, held = _int8_sums(name, w.qweight)
         kept = replace(w, qweight=_shape_only(w.qweight)) if held else w
-        if name == "amx-int8":
-            run = _amx_run(cpu_kernels.load(), held[0], kept)
+        if self.kernels is None:
+            run = _torch_run(None, sums, kept)
         else:
-            run = (_fused_run if self.kernels is not None else _torch_run)(self.kernels, sums, kept)
+            fused = _amx_epilogue(self.kernels, held[0], shape[0]) if name == "amx-int8" else None
+            run = _fused_run(self.kernels, sums, kept, fused)
         return name, run, held, kept
 
 
@@ -92,36 +93,18 @@ def _torch_run(_, sums, w: Int8Weight):
     return run
 
 
-def _fused_run(k, sums, w: Int8Weight):
-    """The same arithmetic as _torch_run's, each elementwise stage one pass of a fused kernel."""
-    scale = w.scale
+def _fused_run(k, sums, w: Int8Weight, fused=None):
+    """The same arithmetic as _torch_run's, each elementwise stage one pass of a fused kernel; with
+    `fused` (xq, col_scale, row_scale, bias, dtype) -> out, a GEMM whose own epilogue finishes the sums."""
 
-    def finish(acc, x, row_scale, bias):
+    def finish(xq, col_scale, x, row_scale, bias):
+        if fused is not None:
+            return fused(xq, col_scale, row_scale, bias, x.dtype)
+        acc = sums(xq, col_scale)
         out = acc if x.dtype == torch.float32 else torch.empty(acc.shape, dtype=x.dtype)
         k.scale_rows(out, acc, row_scale, bias)
         return out
 
-    if w.dynamic:
-        def run(x):
-            x = x if x.stride(-1) == 1 else x.contiguous()
-            xq, sx = torch.empty(x.shape, dtype=torch.int8), torch.empty(x.shape[0])
-            k.quant_rows_int8(xq, sx, x)
-            return finish(sums(xq, scale), x, sx, None)
-        return run
-    bias = (w.quant_bias.double() * w.deq_scale.double()).float()
-    in_scale, in_offset = float(w.input_scale), float(w.input_offset)
-
-    def run(x):
-        x = x if x.stride(-1) == 1 else x.contiguous()
-        xq = torch.empty(x.shape, dtype=torch.int8)
-        k.quant_static_int8(xq, x, in_scale, in_offset)
-        return finish(sums(xq, w.deq_scale), x, None, bias)
-    return run
-
-
-def _amx_run(k, packed, w: Int8Weight):
-    """_fused_run's arithmetic with the scales, the bias and the rounding done by the GEMM's own epilogue."""
-    rows = w.qweight.shape[0]
     if w.dynamic:
         scale = w.scale
 
@@ -129,9 +112,7 @@ def _amx_run(k, packed, w: Int8Weight):
             x = x if x.stride(-1) == 1 else x.contiguous()
             xq, sx = torch.empty(x.shape, dtype=torch.int8), torch.empty(x.shape[0])
             k.quant_rows_int8(xq, sx, x)
-            out = torch.empty(x.shape[0], rows, dtype=x.dtype)
-            k.amx_int8_linear(out, xq, packed, scale, sx, None)
-            return out
+            return finish(xq, scale, x, sx, None)
         return run
     bias = (w.quant_bias.double() * w.deq_scale.double()).float()
     in_scale, in_offset = float(w.input_scale), float(w.input_offset)
@@ -140,10 +121,18 @@ def _amx_run(k, packed, w: Int8Weight):
         x = x if x.stride(-1) == 1 else x.contiguous()
         xq = torch.empty(x.shape, dtype=torch.int8)
         k.quant_static_int8(xq, x, in_scale, in_offset)
-        out = torch.empty(x.shape[0], rows, dtype=x.dtype)
-        k.amx_int8_linear(out, xq, packed, w.deq_scale, None, bias)
-        return out
+        return finish(xq, w.deq_scale, x, None, bias)
     return run
+
+
+def _amx_epilogue(k, packed, rows: int):
+    """amx-int8's GEMM, scaled, biased and rounded to the compute dtype as the sums leave the tiles."""
+
+    def fused(xq, col_scale, row_scale, bias, dtype):
+        out = torch.empty(xq.shape[0], rows, dtype=dtype)
+        k.amx_int8_linear(out, xq, packed, col_scale, row_scale, bias)
+        return out
+    return fused
 
 
 def _shape_only(t: torch.Tensor) -> torch.Tensor:
@@ -197,24 +186,16 @@ def _int8_sums(name: str, qweight: torch.Tensor):
     if name == "onednn-int8":
         packed = torch.ops.onednn.qlinear_prepack(qweight, None)  # oneDNN's blocked int8 layout
         return (lambda xq, scale: _onednn_scaled(xq, packed, scale)), [packed]
-    if name == "avx2-int8":
+    if name in ("avx2-int8", "amx-int8"):  # raylm's kernels: a packing of their own, fp32 out
         kernels = cpu_kernels.load()
-        packed = kernels.int8_linear_pack(qweight)
+        pack, linear = ((kernels.int8_linear_pack, kernels.int8_linear) if name == "avx2-int8" else
+                        (kernels.amx_int8_pack, kernels.amx_int8_linear))
+        packed = pack(qweight)
         rows = qweight.shape[0]
 
         def sums(xq, scale):
             y = torch.empty(xq.shape[0], rows)
-            kernels.int8_linear(y, xq if xq.stride(-1) == 1 else xq.contiguous(), packed, scale)
-            return y
-        return sums, [packed]
-    if name == "amx-int8":
-        kernels = cpu_kernels.load()
-        packed = kernels.amx_int8_pack(qweight)
-        rows = qweight.shape[0]
-
-        def sums(xq, scale):
-            y = torch.empty(xq.shape[0], rows)
-            kernels.amx_int8_linear(y, xq if xq.stride(-1) == 1 else xq.contiguous(), packed, scale)
+            linear(y, xq if xq.stride(-1) == 1 else xq.contiguous(), packed, scale)
             return y
         return sums, [packed]
     return (lambda xq, scale: torch._int_mm(xq.contiguous(), qweight.t()).float().mul_(scale)), []

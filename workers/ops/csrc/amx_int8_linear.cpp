@@ -39,42 +39,6 @@ constexpr int64_t XBLOCK_BYTES = 512 * 1024;  // x a block of rows may take (a q
 
 #ifdef RAYLM_AMX_INT8_LINEAR
 
-// Sums of MT row blocks of x (16 rows each, from x0, rows ldx bytes apart) against the weight blocks b0
-// and b1 over K, into out [16 * MT, 32] (int32). next: next_bytes of the following pair, prefetched.
-template <int MT>
-inline void tile_pair(const int8_t* x0, int64_t ldx, const int8_t* b0, const int8_t* b1, int64_t K, int32_t* out,
-                      const char* next, int64_t next_bytes) {
-  _tile_zero(0);
-  _tile_zero(1);
-  if (MT == 2) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-  const int64_t steps = K / TK;
-  const int64_t ahead = next ? (next_bytes + steps - 1) / steps : 0;
-  for (int64_t s = 0; s < steps; ++s) {
-    if (next)
-      for (int64_t b = s * ahead; b < std::min(next_bytes, (s + 1) * ahead); b += 64)
-        _mm_prefetch(next + b, _MM_HINT_T1);
-    _tile_loadd(4, x0 + s * TK, ldx);
-    _tile_loadd(6, b0 + s * TK * TN, 64);
-    _tile_loadd(7, b1 + s * TK * TN, 64);
-    _tile_dpbssd(0, 4, 6);
-    _tile_dpbssd(1, 4, 7);
-    if (MT == 2) {
-      _tile_loadd(5, x0 + 16 * ldx + s * TK, ldx);
-      _tile_dpbssd(2, 5, 6);
-      _tile_dpbssd(3, 5, 7);
-    }
-  }
-  _tile_stored(0, out, 2 * TN * 4);
-  _tile_stored(1, out + TN, 2 * TN * 4);
-  if (MT == 2) {
-    _tile_stored(2, out + 16 * 2 * TN, 2 * TN * 4);
-    _tile_stored(3, out + 16 * 2 * TN + TN, 2 * TN * 4);
-  }
-}
-
 enum class Out { F32, BF16, F16 };
 
 // up to 16 scaled sums of one row into y (cols of them, from column j0)
@@ -161,6 +125,7 @@ void amx_int8_linear(at::Tensor y, at::Tensor xq, at::Tensor packed, at::Tensor 
     xp = held.data_ptr<int8_t>();
     ldx = K;
   }
+  const raylm::amx::XTiles x{reinterpret_cast<const char*>(xp), 16 * ldx, TK, ldx};
   const int8_t* wp = packed.data_ptr<int8_t>();
   const float* cs = col_scale.data_ptr<float>();
   const float* rs = row_scale ? row_scale->data_ptr<float>() : nullptr;
@@ -185,10 +150,11 @@ void amx_int8_linear(at::Tensor y, at::Tensor xq, at::Tensor packed, at::Tensor 
                         to = (rb + 1) * pair_bytes / row_blocks / 64 * 64;
           const char* slice = next ? next + from : nullptr;
           const bool two = i0 + 32 <= m1;
+          const char* w0 = reinterpret_cast<const char*>(b0);
           if (two)
-            tile_pair<2>(xp + i0 * ldx, ldx, b0, b0 + block_bytes, K, sums, slice, to - from);
+            raylm::amx::tile_pair<2, raylm::amx::DpInt8>(x, i0 / 16, w0, w0 + block_bytes, K / TK, sums, slice, to - from);
           else
-            tile_pair<1>(xp + i0 * ldx, ldx, b0, b0 + block_bytes, K, sums, slice, to - from);
+            raylm::amx::tile_pair<1, raylm::amx::DpInt8>(x, i0 / 16, w0, w0 + block_bytes, K / TK, sums, slice, to - from);
           for (int64_t i = i0; i < std::min(m, i0 + (two ? 32 : 16)); ++i) {
             const int32_t* s = sums + (i - i0) * 2 * TN;
             char* yrow = yp + i * ldy + j0 * out_bytes;

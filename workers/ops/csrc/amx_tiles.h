@@ -2,11 +2,25 @@
 // permission to use the tiles and the one configuration they all use, eight tiles of 16 rows x 64 bytes.
 #pragma once
 
+#include <cstdint>
+
+namespace raylm::amx {
+
+// Where tile_pair finds x's tiles: the tile of row block r (16 rows) and step s starts at
+// data + r * block + s * step (bytes), its 16 rows ld bytes apart.
+struct XTiles {
+  const char* data;
+  int64_t block, step, ld;
+};
+
+}  // namespace raylm::amx
+
 #if defined(__AMX_TILE__)
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace raylm::amx {
@@ -35,6 +49,64 @@ inline void configure() {
     c.rows[t] = 16;
   }
   _tile_loadconfig(&c);
+}
+
+// The product instructions tile_pair takes, one per sum tile (sum i of x tile 4 + i / 2 and w tile 6 + i % 2;
+// the intrinsics take the tiles' numbers as literals)
+#if defined(__AMX_BF16__)
+struct DpBF16 {  // bf16 pairs, fp32 sums
+  static void p0() { _tile_dpbf16ps(0, 4, 6); }
+  static void p1() { _tile_dpbf16ps(1, 4, 7); }
+  static void p2() { _tile_dpbf16ps(2, 5, 6); }
+  static void p3() { _tile_dpbf16ps(3, 5, 7); }
+};
+#endif
+#if defined(__AMX_INT8__)
+struct DpInt8 {  // signed int8 quads, exact int32 sums
+  static void p0() { _tile_dpbssd(0, 4, 6); }
+  static void p1() { _tile_dpbssd(1, 4, 7); }
+  static void p2() { _tile_dpbssd(2, 5, 6); }
+  static void p3() { _tile_dpbssd(3, 5, 7); }
+};
+#endif
+
+// The GEMMs' micro-kernel (packed_bf16_linear.cpp, amx_int8_linear.cpp): the sums of MT row blocks of x
+// (from row block r0) against the weight blocks b0 and b1, each step's tile of a block 1 KiB in one piece,
+// over `steps` steps, into out [16 * MT, 32] (4-byte sums; tiles 0-3 the sums, 4-5 x, 6-7 w). next_bytes
+// of `next` (the following weights, or nullptr) are prefetched into L2, spread over the steps.
+template <int MT, typename Dp>
+inline void tile_pair(const XTiles& x, int64_t r0, const char* b0, const char* b1, int64_t steps, void* out,
+                      const char* next, int64_t next_bytes) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (MT == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const int64_t ahead = next ? (next_bytes + steps - 1) / steps : 0;  // bytes of next per step
+  const char* x0 = x.data + r0 * x.block;
+  for (int64_t s = 0; s < steps; ++s) {
+    if (next)
+      for (int64_t b = s * ahead; b < std::min(next_bytes, (s + 1) * ahead); b += 64)
+        _mm_prefetch(next + b, _MM_HINT_T1);
+    _tile_loadd(4, x0 + s * x.step, x.ld);
+    _tile_loadd(6, b0 + s * 1024, 64);
+    _tile_loadd(7, b1 + s * 1024, 64);
+    Dp::p0();
+    Dp::p1();
+    if (MT == 2) {
+      _tile_loadd(5, x0 + x.block + s * x.step, x.ld);
+      Dp::p2();
+      Dp::p3();
+    }
+  }
+  char* o = static_cast<char*>(out);
+  _tile_stored(0, o, 128);
+  _tile_stored(1, o + 64, 128);
+  if (MT == 2) {
+    _tile_stored(2, o + 16 * 128, 128);
+    _tile_stored(3, o + 16 * 128 + 64, 128);
+  }
 }
 
 }  // namespace raylm::amx

@@ -38,11 +38,12 @@
 #endif
 #if defined(RAYLM_PACKED_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define RAYLM_AMX 1
-#include "amx_tiles.h"
 #endif
+#include "amx_tiles.h"
 
 namespace {
 
+using raylm::amx::XTiles;
 constexpr int64_t TN = 16;  // rows of w a block takes (a tile's columns of output)
 constexpr int64_t TK = 32;  // columns of x and w a tile takes (16 pairs)
 #ifndef AMX_XBLOCK_BYTES_
@@ -51,54 +52,10 @@ constexpr int64_t TK = 32;  // columns of x and w a tile takes (16 pairs)
 constexpr int64_t XBLOCK_BYTES = AMX_XBLOCK_BYTES_;  // x a block of rows may take (a quarter of a 2 MiB L2)
 constexpr int64_t TILED_X_RATIO = 256;  // weight bytes per byte of x for which x is copied into tiles (PaddedX)
 
-// Where x's tiles are: the tile of row block r (16 rows) and K step s (32 columns) starts at
-// data + r * block + s * step, its 16 rows ld_bytes apart.
-struct XTiles {
-  const uint16_t* data;
-  int64_t block, step, ld_bytes;
-};
-
 #ifdef RAYLM_AMX
 
-using raylm::amx::configure;  // tiles 0-3 the sums (row block i, weight block j at 2i + j), 4-5 x, 6-7 w
+using raylm::amx::configure;
 inline bool amx_permitted() { return raylm::amx::permitted(); }
-
-// Sums of MT row blocks of x (from row block r0) against the weight blocks b0 and b1 over K, into
-// out [16 * MT, 32] (fp32). next: the following pair, prefetched.
-template <int MT>
-inline void tile_pair(const XTiles& x, int64_t r0, const uint16_t* b0, const uint16_t* b1, int64_t K, float* out,
-                      const char* next, int64_t next_bytes) {
-  _tile_zero(0);
-  _tile_zero(1);
-  if (MT == 2) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-  const int64_t steps = K / TK;
-  const int64_t ahead = next ? (next_bytes + steps - 1) / steps : 0;  // bytes of the next pair per step
-  const uint16_t* x0 = x.data + r0 * x.block;
-  for (int64_t s = 0; s < steps; ++s) {
-    if (next)
-      for (int64_t b = s * ahead; b < std::min(next_bytes, (s + 1) * ahead); b += 64)
-        _mm_prefetch(next + b, _MM_HINT_T1);
-    _tile_loadd(4, x0 + s * x.step, x.ld_bytes);
-    _tile_loadd(6, b0 + s * TK * TN, 64);
-    _tile_loadd(7, b1 + s * TK * TN, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    if (MT == 2) {
-      _tile_loadd(5, x0 + x.block + s * x.step, x.ld_bytes);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  _tile_stored(0, out, 2 * TN * 4);
-  _tile_stored(1, out + TN, 2 * TN * 4);
-  if (MT == 2) {
-    _tile_stored(2, out + 16 * 2 * TN, 2 * TN * 4);
-    _tile_stored(3, out + 16 * 2 * TN + TN, 2 * TN * 4);
-  }
-}
 
 #endif  // RAYLM_AMX
 
@@ -202,7 +159,7 @@ struct PaddedX {
                 std::memset(d, 0, TK * 2);
             }
       });
-      tiles = {t, steps * 16 * TK, 16 * TK, TK * 2};
+      tiles = {reinterpret_cast<const char*>(t), steps * 16 * TK * 2, 16 * TK * 2, TK * 2};
       return;
     }
     if (mp == m) {
@@ -214,7 +171,7 @@ struct PaddedX {
       data = reinterpret_cast<const uint16_t*>(held.data_ptr<at::BFloat16>());
       ld = K;
     }
-    tiles = {data, 16 * ld, TK, ld * 2};
+    tiles = {reinterpret_cast<const char*>(data), 16 * ld * 2, TK * 2, ld * 2};
   }
 };
 
@@ -254,9 +211,13 @@ void for_each_tile(const PaddedX& x, const at::Tensor& packed, int64_t n, bool t
                           to = (rb + 1) * pair_bytes / row_blocks / 64 * 64;
             const char* slice = next ? next + from : nullptr;
             if (two)
-              tile_pair<2>(x.tiles, i0 / 16, b0, b0 + block_elems, K, sums, slice, to - from);
+              raylm::amx::tile_pair<2, raylm::amx::DpBF16>(x.tiles, i0 / 16, reinterpret_cast<const char*>(b0),
+                                                          reinterpret_cast<const char*>(b0 + block_elems), K / TK,
+                                                          sums, slice, to - from);
             else
-              tile_pair<1>(x.tiles, i0 / 16, b0, b0 + block_elems, K, sums, slice, to - from);
+              raylm::amx::tile_pair<1, raylm::amx::DpBF16>(x.tiles, i0 / 16, reinterpret_cast<const char*>(b0),
+                                                          reinterpret_cast<const char*>(b0 + block_elems), K / TK,
+                                                          sums, slice, to - from);
             f(state, p, i0, two ? 2 : 1, sums);
             continue;
           }
