@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.ops import cpu_kernels, get_op_table
+from tests.workers.int8_cases import check_a_weight_it_cannot_take_runs_elsewhere
+from workers.ops import cpu_kernels
 from workers.ops.cpu_quant import has_amx_int8
-from workers.quant import Int8Weight, reference_linear
 
 pytestmark = pytest.mark.skipif(not has_amx_int8(),
                                 reason="this CPU has no AMX-INT8 (or raylm's kernels did not build)")
@@ -73,14 +73,4 @@ def test_operands_are_checked():
 
 
 def test_a_weight_of_other_input_size_runs_elsewhere(monkeypatch):
-    w = torch.randint(-128, 128, (24, 96), generator=torch.Generator().manual_seed(3), dtype=torch.int8)
-    weight = Int8Weight(w, torch.full((24,), 0.01))
-    x = torch.randn(6, 96)
-    ops = get_op_table("cpu", "cpu")
-    handle = ops.prepare_quantized_linear(weight, None, dtype=torch.float32)
-    assert "amx-int8" not in ops.describe()["quantized"]
-    torch.testing.assert_close(ops.linear(x, handle), reference_linear(x, weight, None), atol=1e-5, rtol=1e-5)
-    monkeypatch.setenv("RAYLM_CPU_INT8_GEMM", "amx-int8")
-    with pytest.raises(ValueError, match=r"RAYLM_CPU_INT8_GEMM=amx-int8 cannot run a \(24, 96\) weight: its input "
-                                         r"size is not a multiple of 64"):
-        get_op_table("cpu", "cpu").prepare_quantized_linear(weight, None, dtype=torch.float32)
+    check_a_weight_it_cannot_take_runs_elsewhere(monkeypatch, "amx-int8", 96, "its input size is not a multiple of 64")

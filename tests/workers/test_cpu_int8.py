@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.ops import cpu_kernels, get_op_table
+from tests.workers.int8_cases import check_a_weight_it_cannot_take_runs_elsewhere
+from workers.ops import cpu_kernels
 from workers.ops.cpu_quant import has_avx2_int8
-from workers.quant import Int8Weight, reference_linear
 
 pytestmark = pytest.mark.skipif(not has_avx2_int8(), reason="raylm's CPU kernels were not built with AVX2 here")
 
@@ -43,13 +43,4 @@ def test_sums_are_exact_at_every_batch_and_shape(rows, k, threads):
 
 
 def test_a_weight_of_odd_input_size_runs_elsewhere(monkeypatch):
-    w = torch.randint(-128, 128, (24, 63), generator=torch.Generator().manual_seed(3), dtype=torch.int8)
-    weight = Int8Weight(w, torch.full((24,), 0.01))
-    x = torch.randn(6, 63)
-    ops = get_op_table("cpu", "cpu")
-    handle = ops.prepare_quantized_linear(weight, None, dtype=torch.float32)
-    assert "avx2-int8" not in ops.describe()["quantized"]
-    torch.testing.assert_close(ops.linear(x, handle), reference_linear(x, weight, None), atol=1e-5, rtol=1e-5)
-    monkeypatch.setenv("RAYLM_CPU_INT8_GEMM", "avx2-int8")
-    with pytest.raises(ValueError, match=r"RAYLM_CPU_INT8_GEMM=avx2-int8 cannot run a \(24, 63\) weight: its input"):
-        get_op_table("cpu", "cpu").prepare_quantized_linear(weight, None, dtype=torch.float32)
+    check_a_weight_it_cannot_take_runs_elsewhere(monkeypatch, "avx2-int8", 63, "its input size is odd")
