@@ -29,8 +29,10 @@ def ensure_ray(address: str | None = None) -> bool:
 
     Joining a Ray this process did not start is logged as a warning naming its address and how
     it was found (the address given, RAY_ADDRESS, or the address file of the last `ray start`
-    on this machine, as ray.init finds it), since its resources may belong to someone else:
-    `address="local"` starts a private one instead.
+    on this machine), since its resources may belong to someone else: `address="local"` starts a
+    private one instead. A Ray nothing points to is never joined: ray.init("auto") would also
+    take one it finds among this machine's processes, which is another program's own (a
+    `raylm serve --address local`, a notebook's ray.init()), so then a private one is started.
     A Ray started here runs its workers at this process's priority: Ray's default renices
     worker processes to 15, so on a busy host the HTTP server and its clients (at 0)
     would starve the engine and its workers (set RAY_worker_niceness to override)."""
@@ -51,6 +53,12 @@ def ensure_ray(address: str | None = None) -> bool:
         ray.init(address=address, **opts)
         _joined(address, "the address given")
         return True
+    if not _pointed_to():
+        os.environ.setdefault("RAY_worker_niceness", "0")
+        ray.init(address="local", **opts)
+        log.info("raylm: no Ray pointed to (RAY_ADDRESS, `ray start`'s address file); started one of this process's "
+                 "own (pass a running Ray's address to join it)")
+        return True
     try:
         found = _check_reachable("auto")
         ray.init(address="auto", **opts)
@@ -65,6 +73,25 @@ def ensure_ray(address: str | None = None) -> bool:
         found = (ray.get_runtime_context().gcs_address, "ray.init's search")
     _joined(*found)
     return True
+
+
+def _pointed_to() -> bool:
+    """Whether something points "auto" at a Ray: RAY_ADDRESS, or the address file `ray start` writes."""
+    import os
+
+    if os.environ.get("RAY_ADDRESS"):
+        return True
+    try:
+        from ray._private.utils import get_ray_address_file
+
+        path = get_ray_address_file(None)
+    except Exception:  # Ray's private helper moved: let ray.init look as it does
+        return True
+    try:
+        with open(path, encoding="utf-8") as f:
+            return bool(f.read().strip())
+    except OSError:
+        return False
 
 
 def _joined(address: str, source: str) -> None:
@@ -120,8 +147,8 @@ def _check_reachable(address: str) -> tuple[str, str] | None:
 def launch(model: str | None = None, device: str = "cpu", num_replicas: int = 1, *, address: str | None = None,
            **config) -> LLMHandle:
     """Start an engine driven from this process. No model: the bundled tiny Qwen3.
-    `address`: the Ray to join ("local": a private one; None: a running one if any, as
-    ray.init finds it, else a private one). Keyword options are EngineConfig fields
+    `address`: the Ray to join ("local": a private one; None: the one RAY_ADDRESS or `ray start`'s
+    address file points to, else a private one). Keyword options are EngineConfig fields
     (validated; unknown ones are an error)."""
     from cluster.core.engine import LocalEngine
 

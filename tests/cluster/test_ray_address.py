@@ -1,5 +1,6 @@
 """A Ray address that points nowhere (a cluster that stopped without `ray stop` leaves its
-address file; a stale RAY_ADDRESS) is a prompt, clear error, not minutes of ray.init retries."""
+address file; a stale RAY_ADDRESS) is a prompt, clear error, not minutes of ray.init retries; a Ray
+nothing points to (another program's own) is never joined."""
 
 from __future__ import annotations
 
@@ -97,3 +98,19 @@ def test_workers_that_cannot_be_placed_fail_in_bounded_time_saying_what_they_ask
     assert "address='local'" in message and ray_session.get_runtime_context().gcs_address in message
     assert any("waiting up to 7 s to place replica 0" in r.getMessage() for r in caplog.records)
     assert elapsed < 60
+
+
+@pytest.mark.ray
+def test_a_ray_nothing_points_to_is_not_joined(ray_session, tmp_path):
+    """This test's own Ray runs (ray.init, no `ray start`): a process with no address, no RAY_ADDRESS and
+    no address file starts a private Ray instead of joining it, and says so."""
+    address = ray_session.get_runtime_context().gcs_address
+    code = ("import logging, ray, ray._private.utils as u, cluster; logging.basicConfig(level=logging.INFO); "
+            f"u.get_ray_address_file = lambda temp_dir=None: {str(tmp_path / 'no_such_file')!r}; "
+            "assert cluster.ensure_ray(); print('at', ray.get_runtime_context().gcs_address); ray.shutdown()")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "at " in proc.stdout and f"at {address}" not in proc.stdout
+    assert ("no Ray pointed to (RAY_ADDRESS, `ray start`'s address file); started one of this process's own"
+            in proc.stderr)
