@@ -28,7 +28,7 @@ import ray
 from scheduler.protocol import StepPlan
 from workers.device import set_cpu_threads, visible_devices_env
 from workers.fake_runner import FakeRunner
-from workers.parallel import SINGLE, ParallelConfig, TensorParallel, free_port
+from workers.parallel import SINGLE, ParallelConfig, TensorParallel, rendezvous_store
 from workers.runner import ModelRunner
 from workers.runner_config import RunnerConfig
 from workers.sampling.grammar import xgrammar_installed
@@ -42,15 +42,19 @@ class WorkerActor:
         self.runner: ModelRunner | FakeRunner | None = None
         self.parallel: TensorParallel = SINGLE
         self.channel: StepServer | None = None
+        self._store = None  # rank 0's rendezvous (TCPStore), from `rendezvous` on
 
-    def rendezvous(self) -> tuple[str, int]:
-        """(address, free port) where this actor, as rank 0, will host its group's rendezvous."""
+    def rendezvous(self, world_size: int, timeout_s: float) -> tuple[str, int]:
+        """(address, port) where this actor, as rank 0, hosts its group's rendezvous: listening
+        from now on, until `start` joins the group over it."""
         address = ray.util.get_node_ip_address()
-        return address, free_port(address)
+        self._store = rendezvous_store(address, world_size, timeout_s)
+        return address, self._store.port
 
     def start(self, config: dict, parallel: dict | None = None) -> dict:
         cfg = RunnerConfig(**config)
-        self.parallel = TensorParallel.join(ParallelConfig(**(parallel or {})), cfg.device)
+        pc = ParallelConfig(**(parallel or {}))
+        self.parallel = TensorParallel.join(pc, cfg.device, store=self._store if pc.rank == 0 else None)
         self.runner = _on_a_thread_of_its_own(functools.partial(self._load, cfg))
         self.runner.bind_thread()  # Ray's thread, where `execute` calls run: thread count and device
         env = visible_devices_env(cfg.device)

@@ -21,7 +21,6 @@ cost nothing when tensor parallelism is off.
 from __future__ import annotations
 
 import datetime
-import socket
 import time
 from dataclasses import dataclass
 
@@ -64,11 +63,14 @@ class ParallelConfig:
             raise ValueError(f"timeout_s must be a positive number, got {self.timeout_s!r}")
 
 
-def free_port(host: str = "") -> int:
-    """A TCP port free on this host now (for rank 0's rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def rendezvous_store(host: str, world_size: int, timeout_s: float):
+    """Rank 0's rendezvous: a TCPStore listening from now on, on a port the OS picked. Asking for a
+    free port and binding it later, when the group starts, left a window in which another process
+    (a Ray node, a step channel) could take it: the group's start then failed with EADDRINUSE."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, 0, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False, multi_tenant=True)
 
 
 class TensorParallel:
@@ -108,18 +110,24 @@ class TensorParallel:
         return self.rank == 0 and self.pipeline.is_last
 
     @classmethod
-    def join(cls, config: ParallelConfig, device_kind: str) -> TensorParallel:
+    def join(cls, config: ParallelConfig, device_kind: str, store=None) -> TensorParallel:
         """Join the group `config` describes (blocks until every rank has joined): the whole
-        replica's group, and under pipeline parallelism one tensor-parallel group per stage."""
+        replica's group, and under pipeline parallelism one tensor-parallel group per stage.
+        store: rank 0's rendezvous_store (the others connect to master_addr:master_port)."""
         if config.world_size == 1:
             return SINGLE
         import torch.distributed as dist
 
         if dist.is_initialized():
             raise RuntimeError("this process already belongs to a torch.distributed group")
-        dist.init_process_group(
-            backend=dist_backend(device_kind), init_method=f"tcp://{config.master_addr}:{config.master_port}",
-            rank=config.rank, world_size=config.world_size, timeout=datetime.timedelta(seconds=config.timeout_s))
+        timeout = datetime.timedelta(seconds=config.timeout_s)
+        if store is not None:  # under the prefix init_method's rendezvous gives the other ranks' view of it
+            dist.init_process_group(backend=dist_backend(device_kind), store=dist.PrefixStore("default_pg", store),
+                                    rank=config.rank, world_size=config.world_size, timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend=dist_backend(device_kind), init_method=f"tcp://{config.master_addr}:{config.master_port}",
+                rank=config.rank, world_size=config.world_size, timeout=timeout)
         stages = config.pipeline_parallel_size
         tp = config.world_size // stages
         stage, tp_rank = divmod(config.rank, tp)

@@ -158,8 +158,8 @@ class Replica:
         ).remote() for rank in range(ranks)]
         parallel = [None]
         if ranks > 1:  # rank 0 hosts the rendezvous; the group's collectives time out after the driver's checks
-            address, port = ray.get(workers[0].rendezvous.remote(), timeout=cfg.start_timeout_s)
             timeout = max(cfg.step_timeout_s, cfg.start_timeout_s)
+            address, port = ray.get(workers[0].rendezvous.remote(ranks, timeout), timeout=cfg.start_timeout_s)
             partition = None if cfg.pp_layer_partition is None else tuple(cfg.pp_layer_partition)
             parallel = [dict(rank=r, world_size=ranks, master_addr=address, master_port=port, timeout_s=timeout,
                              expert_parallel=cfg.enable_expert_parallel,
