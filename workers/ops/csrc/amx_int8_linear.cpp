@@ -41,7 +41,7 @@ constexpr int64_t XBLOCK_BYTES = 512 * 1024;  // x a block of rows may take (a q
 
 enum class Out { F32, BF16, F16 };
 
-// up to 16 scaled sums of one row into y (cols of them, from column j0)
+// the first `cols` (up to 16) scaled sums of one row, into y
 inline void finish16(const int32_t* s, const float* cs, float rs, const float* bias, int64_t cols, Out kind,
                      void* y) {
   const __mmask16 k = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
