@@ -32,8 +32,9 @@ import ray
 
 import cluster
 from cluster import SamplingParams
+from cluster.ports import free_port
 from workers.loader import is_random_spec, load_config, parse_random_spec, random_spec_config
-from workers.parallel import ParallelConfig, TensorParallel, free_port, padded_vocab
+from workers.parallel import ParallelConfig, TensorParallel, padded_vocab
 
 CONFIGS = [(1, 2), (2, 1)]  # (tensor_parallel_size, threads per worker)
 
@@ -112,7 +113,7 @@ def checkpoint_bytes(path: str) -> int:
 def collectives_only_ms(config, batch: int, iters: int = 30) -> float:
     """Median ms of one decode step's collectives for `batch` rows, with nothing else running."""
     ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), free_port("127.0.0.1")
+    out, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_collectives_rank, args=(r, port, config, batch, iters, out)) for r in range(2)]
     for p in procs:
         p.start()

@@ -188,10 +188,10 @@ def test_every_rank_takes_the_groups_kernel_choices():
     path only some ranks' shard values qualify for taken by none."""
     import multiprocessing as mp
 
-    from workers.parallel import free_port
+    from cluster.ports import free_port
 
     ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), free_port("127.0.0.1")
+    out, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_shared_choices, args=(r, port, out), daemon=True) for r in range(2)]
     for p in procs:
         p.start()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import queue as queue_mod
 
-from workers.parallel import free_port
+from cluster.ports import free_port
 
 TIMEOUT_S = 240
 
@@ -38,7 +38,7 @@ def run_ranks(world: int, jobs: list[tuple], expert_parallel: bool = False, pipe
     ctx = mp.get_context("spawn")
     plans = [ctx.Queue() for _ in range(world)]  # the driving rank's stays unused
     out = ctx.Queue()
-    port = free_port("127.0.0.1")
+    port = free_port()
     layout = dict(expert_parallel=expert_parallel, pipeline_parallel_size=pipeline,
                   pp_layer_partition=None if partition is None else tuple(partition))
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, jobs, plans, out, layout), daemon=True)
