@@ -146,16 +146,10 @@ void amx_int8_linear(at::Tensor y, at::Tensor xq, at::Tensor packed, at::Tensor 
         const char* next = p + 1 < end ? reinterpret_cast<const char*>(b0 + pair_bytes) : nullptr;
         const int64_t j0 = p * 2 * TN, cols = std::min<int64_t>(2 * TN, n - j0);
         for (int64_t i0 = m0; i0 < m1; i0 += 32) {
-          const int64_t rb = (i0 - m0) / 32, from = rb * pair_bytes / row_blocks / 64 * 64,
-                        to = (rb + 1) * pair_bytes / row_blocks / 64 * 64;
-          const char* slice = next ? next + from : nullptr;
-          const bool two = i0 + 32 <= m1;
-          const char* w0 = reinterpret_cast<const char*>(b0);
-          if (two)
-            raylm::amx::tile_pair<2, raylm::amx::DpInt8>(x, i0 / 16, w0, w0 + block_bytes, K / TK, sums, slice, to - from);
-          else
-            raylm::amx::tile_pair<1, raylm::amx::DpInt8>(x, i0 / 16, w0, w0 + block_bytes, K / TK, sums, slice, to - from);
-          for (int64_t i = i0; i < std::min(m, i0 + (two ? 32 : 16)); ++i) {
+          const int mt = raylm::amx::tile_rows<raylm::amx::DpInt8>(x, i0, i0 + 32 <= m1, reinterpret_cast<const char*>(b0),
+                                                                   block_bytes, K / TK, sums, next, pair_bytes,
+                                                                   (i0 - m0) / 32, row_blocks);
+          for (int64_t i = i0; i < std::min(m, i0 + 16 * mt); ++i) {
             const int32_t* s = sums + (i - i0) * 2 * TN;
             char* yrow = yp + i * ldy + j0 * out_bytes;
             const float r = rs ? rs[i] : 1.f;

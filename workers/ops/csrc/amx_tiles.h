@@ -109,5 +109,21 @@ inline void tile_pair(const XTiles& x, int64_t r0, const char* b0, const char* b
   }
 }
 
+// tile_pair over the 32 rows of x from row r0 (16 where `two` is false), with share `part` of `parts` of
+// the next pair's `pair_bytes` prefetched: a pair's row blocks split its successor's reads between them,
+// so the reads go on while the last block computes (when the first issued them all, at 64 rows the
+// second block's products hid none of them).
+template <typename Dp>
+inline int tile_rows(const XTiles& x, int64_t r0, bool two, const char* b0, int64_t block_bytes, int64_t steps,
+                     void* out, const char* next, int64_t pair_bytes, int64_t part, int64_t parts) {
+  const int64_t from = part * pair_bytes / parts / 64 * 64, to = (part + 1) * pair_bytes / parts / 64 * 64;
+  const char* slice = next ? next + from : nullptr;
+  if (two)
+    tile_pair<2, Dp>(x, r0 / 16, b0, b0 + block_bytes, steps, out, slice, to - from);
+  else
+    tile_pair<1, Dp>(x, r0 / 16, b0, b0 + block_bytes, steps, out, slice, to - from);
+  return two ? 2 : 1;
+}
+
 }  // namespace raylm::amx
 #endif

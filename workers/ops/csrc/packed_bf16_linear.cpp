@@ -15,8 +15,7 @@
 // registers, each x pair broadcast), and the sums go through a small fp32 buffer to y, rounded, or
 // (packed_bf16_linear_argmax) straight into each row's best: the [m, rows] logits are never written when only
 // greedy ids leave the step. Bound by reading w at decode sizes, the weight pairs are prefetched one
-// pair ahead (on AMX spread over all of a pair's row blocks: at 64 rows, the second block's products
-// hid none of the reads when the first block alone issued them).
+// pair ahead (on AMX spread over all of a pair's row blocks: amx_tiles.h's tile_rows).
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -202,23 +201,15 @@ void for_each_tile(const PaddedX& x, const at::Tensor& packed, int64_t n, bool t
         const int64_t row_blocks = (m1 - m0 + 31) / 32;
         for (int64_t i0 = m0; i0 < m1; i0 += 32) {
           // vdpbf16ps: the next pair is prefetched while the first row block runs (later ones find it in
-          // L2); AMX: spread over every row block, so the reads go on while the last ones compute
+          // L2); AMX: spread over every row block (tile_rows)
           const char* pf = i0 == m0 ? next : nullptr;
           const bool two = i0 + 32 <= m1;
 #ifdef RAYLM_AMX
           if (tiles) {
-            const int64_t rb = (i0 - m0) / 32, from = rb * pair_bytes / row_blocks / 64 * 64,
-                          to = (rb + 1) * pair_bytes / row_blocks / 64 * 64;
-            const char* slice = next ? next + from : nullptr;
-            if (two)
-              raylm::amx::tile_pair<2, raylm::amx::DpBF16>(x.tiles, i0 / 16, reinterpret_cast<const char*>(b0),
-                                                          reinterpret_cast<const char*>(b0 + block_elems), K / TK,
-                                                          sums, slice, to - from);
-            else
-              raylm::amx::tile_pair<1, raylm::amx::DpBF16>(x.tiles, i0 / 16, reinterpret_cast<const char*>(b0),
-                                                          reinterpret_cast<const char*>(b0 + block_elems), K / TK,
-                                                          sums, slice, to - from);
-            f(state, p, i0, two ? 2 : 1, sums);
+            const int mt = raylm::amx::tile_rows<raylm::amx::DpBF16>(
+                x.tiles, i0, two, reinterpret_cast<const char*>(b0), block_elems * 2, K / TK, sums, next, pair_bytes,
+                (i0 - m0) / 32, row_blocks);
+            f(state, p, i0, mt, sums);
             continue;
           }
 #endif
