@@ -17,6 +17,7 @@ frame, and the actor's own Ray methods (stats, shutdown) stay free."""
 from __future__ import annotations
 
 import functools
+import gc
 import importlib
 import os
 import socket
@@ -90,6 +91,11 @@ class WorkerActor:
             set_cpu_threads(cfg.num_threads)
         runner = ModelRunner(cfg, parallel=self.parallel)
         runner.warmup()
+        # the model, torch's and Ray's modules: held until the process ends, so moved out of the collector's
+        # generations (gc.freeze, as vLLM's workers do after warm-up): the full collections the steps' own
+        # objects trigger would walk them all
+        gc.collect()
+        gc.freeze()
         return runner
 
     @ray.method(enable_task_events=False)  # once per step: no task event to the GCS for each one

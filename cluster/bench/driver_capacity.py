@@ -20,8 +20,8 @@ all at once (ignore_eos, --output-len tokens each), measured over the run's stea
   one engine's. Each engine is a process of its own, so past one engine the limit is cores, not
   one GIL.
 
-Prompts are --input-len tokens of the bundled tiny model's vocabulary (its tokenizer detokenizes
-the outputs); the model's weights are never loaded.
+Prompts are --input-len tokens of the bundled tiny model's prose as its tokenizer encodes it (the
+tokenizer detokenizes the outputs too); the model's weights are never loaded.
 """
 
 from __future__ import annotations
@@ -56,6 +56,26 @@ def _cpu_seconds(exclude: set[int]) -> tuple[float, float]:
     return total - theirs, total
 
 
+def text_prompts(rng: random.Random, n: int, prompt_len: int) -> list[list[int]]:
+    """n prompts of exactly prompt_len tokens, each the start of the bundled tiny model's prose (English
+    and Chinese) as its tokenizer encodes it, cut where the cut leaves whole characters: as a text prompt
+    arrives, and so detokenized on the path such a prompt takes (random ids often end inside a character,
+    whose requests fall to the slower Python windows)."""
+    from workers.loader import bundled_model_path, load_tokenizer
+    from workers.tiny_model.corpus import prose
+
+    tokenizer = load_tokenizer(bundled_model_path())
+    prompts: list[list[int]] = []
+    while len(prompts) < n:
+        text = ""
+        while len(ids := tokenizer.encode(text, add_special_tokens=False)) < prompt_len:
+            text += prose(rng) + " "
+        ids = ids[:prompt_len]
+        if "\ufffd" not in tokenizer.decode(ids[-4:]):
+            prompts.append(ids)
+    return prompts
+
+
 def _run_once(*, replicas: int, rows: int, step_s: float, prompt_len: int, output_len: int, seed: int) -> dict:
     """One engine of `replicas` fake replicas of `rows` slots, given WAVES times the requests they
     hold at once (more where steps take no time); the figures are taken over the steady middle of
@@ -67,7 +87,7 @@ def _run_once(*, replicas: int, rows: int, step_s: float, prompt_len: int, outpu
     rng = random.Random(seed)
     waves = WAVES if step_s else max(WAVES, -(-ZERO_STEP_TOKENS * min(rows, 16) // (replicas * rows * output_len)))
     requests = waves * replicas * rows
-    prompts = [[rng.randrange(4, 1000) for _ in range(prompt_len)] for _ in range(requests)]
+    prompts = text_prompts(rng, requests, prompt_len)
     blocks = 2 * -(-(prompt_len + output_len) // 16) * rows + 16
     h = cluster.launch(fake_step_s=step_s, num_replicas=replicas, max_num_seqs=rows, num_kv_blocks=blocks,
                        max_num_batched_tokens=max(2048, rows * prompt_len), max_waiting_requests=requests)
@@ -129,7 +149,7 @@ def _run_engines(*, engines: int, rows: int, prompt_len: int, output_len: int, s
 
     rng = random.Random(seed)
     requests = WAVES * engines * rows
-    prompts = [[rng.randrange(4, 1000) for _ in range(prompt_len)] for _ in range(requests)]
+    prompts = text_prompts(rng, requests, prompt_len)
     blocks = 2 * -(-(prompt_len + output_len) // 16) * rows + 16
     config = dict(fake_step_s=0.0, max_num_seqs=rows, num_kv_blocks=blocks,
                   max_num_batched_tokens=max(2048, rows * prompt_len), max_waiting_requests=requests)

@@ -15,6 +15,7 @@ replica emits with its own lock released).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import threading
 import time
@@ -133,9 +134,15 @@ class LocalEngine:
         if self.sampling_defaults:
             log.info("requests that leave them unset sample with the model's generation_config.json values %s "
                      "(generation_config='none' ignores them)", self.sampling_defaults)
+        # What this process holds by now (modules, Ray's client, the tokenizer: a few hundred thousand objects)
+        # lives as long as the engine: moved out of the collector's generations, it is not walked again by each
+        # full collection that the requests' own objects trigger (gc.freeze)
+        gc.collect()
+        gc.freeze()
         return self
 
     def shutdown(self) -> None:
+        gc.unfreeze()  # what the engine held may be garbage now: the collector may take it again
         for rep in self.replicas:
             rep.shutdown()
         with self._lock:

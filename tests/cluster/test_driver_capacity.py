@@ -3,12 +3,15 @@ time) through the real engine, and `raylm bench --driver-capacity` end to end on
 
 from __future__ import annotations
 
+import gc
 import json
+import random
 
 import pytest
 
 import cluster
 from cluster import EngineConfig, SamplingParams
+from cluster.bench.driver_capacity import text_prompts
 from cluster.cli import main as cli_main
 from cluster.errors import RequestRefused
 from scheduler.grammar_spec import GrammarSpec
@@ -49,6 +52,28 @@ def test_fake_workers_answer_every_token_asked_through_the_real_engine(ray_sessi
         assert len(again[0].outputs[0].token_ids) == 3
     finally:
         h.shutdown()
+
+
+def test_the_engine_keeps_its_startup_heap_out_of_collections_while_it_serves(ray_session):
+    h = cluster.launch(fake_step_s=0.0, max_num_seqs=2, num_kv_blocks=16)
+    try:
+        assert gc.get_freeze_count() > 0  # what the process held at start: frozen, not walked by each collection
+        out = h.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        h.shutdown()
+    assert gc.get_freeze_count() == 0  # given back to the collector: what the engine held may be garbage now
+
+
+def test_the_capacity_prompts_are_text_cut_at_whole_characters():
+    from workers.loader import bundled_model_path, load_tokenizer
+
+    tokenizer = load_tokenizer(bundled_model_path())
+    prompts = text_prompts(random.Random(3), 12, 16)
+    assert prompts == text_prompts(random.Random(3), 12, 16)  # seeded
+    assert len({tuple(p) for p in prompts}) > 1 and all(len(p) == 16 for p in prompts)
+    for p in prompts:  # the detokenizer's prompt context decodes whole, as a text prompt's does
+        assert "\ufffd" not in tokenizer.decode(p[-4:])
 
 
 @pytest.mark.heavy
