@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,11 @@ def test_two_checkouts_of_the_same_sources_share_one_build(tmp_path):
         (d / "tiny.cpp").write_text('#include "tiny.h"\nint tiny_entry() { return tiny_value(); }\n')
         checkouts.append(d)
     env = {**os.environ, cpu_kernels.ENV_CACHE: str(tmp_path / "kernels")}
+    stale = tmp_path / "kernels" / (cpu_kernels.PREFIX + "0123456789abcdef")  # an older sources' build
+    stale.mkdir(parents=True)
+    (stale / "old.so").write_bytes(b"")
+    month_ago = time.time() - 30 * 86400
+    os.utime(stale, (month_ago, month_ago))
 
     def load_from(d):
         out = subprocess.run([sys.executable, "-c", LOAD_FROM, str(d)], env=env, capture_output=True, text=True,
@@ -82,8 +88,26 @@ def test_two_checkouts_of_the_same_sources_share_one_build(tmp_path):
 
     built = load_from(checkouts[0])
     assert ".so" in built  # one library, and when it was written
+    assert not stale.exists()  # building it removed the build no process had loaded for a month
     assert load_from(checkouts[1]) == built
     assert load_from(checkouts[0]) == built
+
+
+def test_pruning_removes_only_builds_unused_for_the_given_days(tmp_path):
+    now = time.time()
+    ages = {"old": 30, "recent": 1, "current": 30}
+    for name, days in ages.items():
+        d = tmp_path / (cpu_kernels.PREFIX + name)
+        d.mkdir()
+        os.utime(d, (now - days * 86400, now - days * 86400))
+    other = tmp_path / "someone_elses_old_dir"
+    other.mkdir()
+    os.utime(other, (now - 90 * 86400, now - 90 * 86400))
+    removed = cpu_kernels.prune_unused(tmp_path, keep=cpu_kernels.PREFIX + "current", days=14)
+    assert removed == [cpu_kernels.PREFIX + "old"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [cpu_kernels.PREFIX + "recent", cpu_kernels.PREFIX + "current", "someone_elses_old_dir"])
+    assert cpu_kernels.prune_unused(tmp_path / "absent", keep="") == []
 
 
 # -- the fused elementwise kernels on bf16 / fp16 tensors ---------------------------------------

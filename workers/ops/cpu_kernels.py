@@ -6,7 +6,8 @@ that hashes the sources, torch's version, the compiler flags and this CPU's feat
 second start, another worker, another process or another checkout of the same sources on the
 same machine loads the built library in milliseconds (it is built from copies of the sources kept
 there); a different CPU or torch builds its own. Concurrent builders wait on torch's
-lock in the build directory.
+lock in the build directory. Each load marks its build as used; a fresh build removes the builds
+no process has loaded for UNUSED_DAYS (each source change leaves one behind, a few MB).
 
 `load()` returns the module, or None when it cannot be built here (no compiler, no headers):
 the CPU table then keeps the gather + SDPA path, eager elementwise ops and torch's grouped GEMM
@@ -16,6 +17,7 @@ for MoE experts, the CPU sampler its torch draw, and stats() says so.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -36,6 +38,8 @@ HEADERS = (_CSRC / "vec_math.h", _CSRC / "moe_gemv.h", _CSRC / "panel_gemm.h", _
            _CSRC / "row_best.h", _CSRC / "amx_tiles.h", _CSRC / "huge_pages.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math")  # no FP traps: branch-free math vectorizes
 ENV_CACHE = "RAYLM_KERNEL_CACHE"
+PREFIX = "raylm_cpu_kernels_"
+UNUSED_DAYS = 14  # a build no process loaded for this long is removed when another is built
 
 log = logging.getLogger(__name__)
 _failure: str | None = None
@@ -50,7 +54,7 @@ def build_name() -> str:
     for src in (*SOURCES, *HEADERS):
         h.update(src.read_bytes())
     h.update(" ".join((torch.__version__, sys.version, *CFLAGS, *sorted(cpu_flags()))).encode())
-    return f"raylm_cpu_kernels_{h.hexdigest()[:16]}"
+    return f"{PREFIX}{h.hexdigest()[:16]}"
 
 
 @functools.lru_cache(maxsize=1)
@@ -67,14 +71,17 @@ def load():
         build_dir = cache_root() / name
         build_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
+        fresh = not any(build_dir.glob("*.so"))
         sources = _content_addressed_sources(build_dir)
         cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=list(CFLAGS),
                            extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False,
                            verbose=False)
         module = torch.ops.raylm
-        took = time.perf_counter() - t0
-        if took > 2:
-            log.info("built raylm's CPU kernels in %.0f s (%s)", took, build_dir)
+        with contextlib.suppress(OSError):  # a read-only cache: nothing there is pruned either
+            os.utime(build_dir)  # used now: kept by prune_unused
+        if fresh:
+            log.info("built raylm's CPU kernels in %.0f s (%s)", time.perf_counter() - t0, build_dir)
+            prune_unused(cache_root(), keep=name)
         return module
     except Exception as e:  # any build failure leaves the torch paths in place
         _failure = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
@@ -82,6 +89,26 @@ def load():
                     "sampling draws with torch ops",
                     _failure)
         return None
+
+
+def prune_unused(root: Path, keep: str, days: float = UNUSED_DAYS) -> list[str]:
+    """Remove the builds under root (directories named PREFIX...) that no process has loaded for
+    `days` (their mtime, which each load sets), but `keep`; returns their names. A build another
+    process holds loaded stays usable (its library is mapped); one that starts later builds again."""
+    import shutil
+
+    cutoff = time.time() - days * 86400
+    removed = []
+    for d in root.glob(PREFIX + "*"):
+        try:
+            if d.name != keep and d.is_dir() and d.stat().st_mtime < cutoff:
+                shutil.rmtree(d)
+                removed.append(d.name)
+        except OSError:  # another process removed it, or it is not ours to remove
+            continue
+    if removed:
+        log.info("removed %d CPU kernel build(s) unused for %g days from %s", len(removed), days, root)
+    return removed
 
 
 def _content_addressed_sources(build_dir: Path) -> list[Path]:
