@@ -84,11 +84,15 @@ const S_t<T>* in_ptr(const at::Tensor& t) { return reinterpret_cast<const S_t<T>
 template <typename T>
 S_t<T>* out_ptr(at::Tensor& t) { return reinterpret_cast<S_t<T>*>(t.mutable_data_ptr()); }
 
+// The row kernels below ask for 512-bit vectors where -march=native prefers 256 (as silu_mul_row does): bf16's
+// rounding, emulated in integer ops at every product, makes them compute-bound, not memory-bound.
+#define RAYLM_WIDE_VECTORS __attribute__((target("prefer-vector-width=512")))
+
 // out[i] = w[i] * (x[i] * inv_rms(x)), one row of n; for bf16 / fp16 as HF: the normalized value
 // rounded, then the weight's product rounded
 template <typename T>
-inline void norm_row(S_t<T>* __restrict out, const S_t<T>* __restrict x, const S_t<T>* __restrict w, int64_t n,
-                     float eps) {
+RAYLM_WIDE_VECTORS inline void norm_row(S_t<T>* __restrict out, const S_t<T>* __restrict x,
+                                        const S_t<T>* __restrict w, int64_t n, float eps) {
   using E = Elem<T>;
   float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
@@ -136,6 +140,17 @@ void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
   });
 }
 
+// one row of add_rms_norm: s = x + residual (rounded), out = norm_row(s)
+template <typename T>
+RAYLM_WIDE_VECTORS __attribute__((noinline)) void add_norm_row(
+    S_t<T>* __restrict out, S_t<T>* __restrict s, const S_t<T>* __restrict a, const S_t<T>* __restrict c,
+    const S_t<T>* __restrict w, int64_t n, float eps) {
+  using E = Elem<T>;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) s[i] = E::st(E::ld(a[i]) + E::ld(c[i]));  // the sum rounded, as HF adds
+  norm_row<T>(out, s, w, n, eps);
+}
+
 void add_rms_norm(at::Tensor out, at::Tensor sum, at::Tensor x, at::Tensor residual, at::Tensor weight,
                   double eps) {
   const auto dt = x.scalar_type();
@@ -151,21 +166,13 @@ void add_rms_norm(at::Tensor out, at::Tensor sum, at::Tensor x, at::Tensor resid
   const float e = static_cast<float>(eps);
   dispatch(x, [&](auto tag) {
     using T = decltype(tag);
-    using E = Elem<T>;
     const auto* xp = in_ptr<T>(x);
     const auto* rp = in_ptr<T>(residual);
     const auto* wp = in_ptr<T>(weight);
     auto* op = out_ptr<T>(out);
     auto* sp = out_ptr<T>(sum);
     at::parallel_for(0, rows, grain_rows(n), [&](int64_t b, int64_t end) {
-      for (int64_t r = b; r < end; ++r) {
-        S_t<T>* s = sp + r * n;
-        const S_t<T>* a = xp + r * xs;
-        const S_t<T>* c = rp + r * rs;
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) s[i] = E::st(E::ld(a[i]) + E::ld(c[i]));  // the sum rounded, as HF adds
-        norm_row<T>(op + r * n, s, wp, n, e);
-      }
+      for (int64_t r = b; r < end; ++r) add_norm_row<T>(op + r * n, sp + r * n, xp + r * xs, rp + r * rs, wp, n, e);
     });
   });
 }
@@ -196,6 +203,15 @@ inline void norm_rope_head(S_t<T>* __restrict out, const S_t<T>* __restrict x, c
       out[i + half] = E::st(E::rnd(b * E::ld(cos[i + half])) + E::rnd(a * E::ld(sin[i + half])));
     }
   }
+}
+
+// one token's heads (nh of q, nkv of k) through norm_rope_head
+template <typename T>
+RAYLM_WIDE_VECTORS __attribute__((noinline)) void norm_rope_token(
+    S_t<T>* qo, S_t<T>* ko, const S_t<T>* q, const S_t<T>* k, const S_t<T>* qw, const S_t<T>* kw, const S_t<T>* c,
+    const S_t<T>* s, int64_t nh, int64_t nkv, int64_t d, float eps, S_t<T>* tmp) {
+  for (int64_t h = 0; h < nh; ++h) norm_rope_head<T>(qo + h * d, q + h * d, qw, c, s, d, eps, tmp);
+  for (int64_t h = 0; h < nkv; ++h) norm_rope_head<T>(ko + h * d, k + h * d, kw, c, s, d, eps, tmp);
 }
 
 // q_weight / k_weight absent: RoPE alone (a model without q/k norms: an EAGLE-3 head)
@@ -233,22 +249,18 @@ void qk_norm_rope(at::Tensor q_out, at::Tensor k_out, at::Tensor q, at::Tensor k
     auto* ko = out_ptr<T>(k_out);
     at::parallel_for(0, t, grain_rows((nh + nkv) * d), [&](int64_t b, int64_t end) {
       std::vector<S_t<T>> tmp(d);
-      for (int64_t i = b; i < end; ++i) {
-        const auto* c = cp + i * cs;
-        const auto* s = sp + i * cs;
-        for (int64_t h = 0; h < nh; ++h)
-          norm_rope_head<T>(qo + (i * nh + h) * d, qp + i * qs + h * d, qw, c, s, d, e, tmp.data());
-        for (int64_t h = 0; h < nkv; ++h)
-          norm_rope_head<T>(ko + (i * nkv + h) * d, kp + i * ks + h * d, kw, c, s, d, e, tmp.data());
-      }
+      for (int64_t i = b; i < end; ++i)
+        norm_rope_token<T>(qo + i * nh * d, ko + i * nkv * d, qp + i * qs, kp + i * ks, qw, kw, cp + i * cs,
+                           sp + i * cs, nh, nkv, d, e, tmp.data());
     });
   });
 }
 
 // o[i] = silu(g[i]) * u[i] for bf16 / fp16, as torch: silu in fp32, rounded, then the product rounded
-// (exp and the divide make this compute-bound: 512-bit vectors, where -march=native prefers 256)
+// (exp and the divide make this compute-bound)
 template <typename T>
-__attribute__((noinline, target("prefer-vector-width=512"))) void silu_mul_row(S_t<T>* __restrict o, const S_t<T>* __restrict g, const S_t<T>* __restrict u, int64_t n) {
+RAYLM_WIDE_VECTORS __attribute__((noinline)) void silu_mul_row(S_t<T>* __restrict o, const S_t<T>* __restrict g,
+                                                               const S_t<T>* __restrict u, int64_t n) {
   using E = Elem<T>;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
