@@ -22,6 +22,7 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -95,8 +96,6 @@ def prune_unused(root: Path, keep: str, days: float = UNUSED_DAYS) -> list[str]:
     """Remove the builds under root (directories named PREFIX...) that no process has loaded for
     `days` (their mtime, which each load sets), but `keep`; returns their names. A build another
     process holds loaded stays usable (its library is mapped); one that starts later builds again."""
-    import shutil
-
     cutoff = time.time() - days * 86400
     removed = []
     for d in root.glob(PREFIX + "*"):
